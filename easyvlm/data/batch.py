@@ -1,0 +1,225 @@
+"""`Batch`: the one container that crosses role boundaries (driver <-> actor, rollout, reward ...).
+
+A Batch holds
+- ``tensors``: torch tensors whose first dimension is the batch dimension B,
+- ``objects``: per-sample Python objects as lists of length B (images, answers, uids, extra columns),
+- ``meta``: a small dict of batch-wide values (never hyperparameters: those live in the config).
+
+Keys and shapes used by the trainer (B = sequences, P = prompt tokens, T = response tokens):
+
+    input_ids        (B, P+T) int64   prompt (left padded) followed by response (right padded)
+    attention_mask   (B, P+T) bool
+    position_ids     (B, P+T) or (B, R, P+T) int64 (R = 3 or 4 rows for mRoPE)
+    prompts          (B, P)   int64   prompt token ids, left padded
+    responses        (B, T)   int64   response token ids, right padded
+    response_mask    (B, T)   bool    True = the token counts in the loss (up to and incl. EOS)
+    rollout_logprobs (B, T)   float   log-probs the sampler reported
+    old_logprobs / ref_logprobs / values / advantages / returns / token_rewards  (B, T) float
+    seq_rewards      (B,)     float
+    group_ids        (B,)     int64   same id = samples of the same prompt
+
+Objects: ``images`` (list of PIL images per sample), ``ground_truth``, ``uid``, ``extra`` (dict of the
+row's other columns), ``multi_modal_inputs`` (processor outputs per sample: pixel_values, grid_thw).
+
+Everything is plain tensors, lists and dicts, so Ray pickles a Batch cheaply (tensors go through
+pickle protocol 5 out-of-band buffers).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+
+class Batch:
+    def __init__(
+        self,
+        tensors: dict[str, Tensor] | None = None,
+        objects: dict[str, list] | None = None,
+        meta: dict[str, Any] | None = None,
+    ):
+        self.tensors: dict[str, Tensor] = dict(tensors or {})
+        self.objects: dict[str, list] = {k: list(v) for k, v in (objects or {}).items()}
+        self.meta: dict[str, Any] = dict(meta or {})
+        self._check()
+
+    # ----------------------------------------------------------------- basics
+    def _check(self) -> None:
+        sizes = {f"tensor {k!r}": v.shape[0] if v.dim() > 0 else None for k, v in self.tensors.items()}
+        sizes.update({f"objects {k!r}": len(v) for k, v in self.objects.items()})
+        for name, size in sizes.items():
+            if size is None:
+                raise ValueError(f"Batch: {name} is a 0-d tensor; batch tensors need a leading batch dim")
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch: inconsistent batch sizes {sizes}")
+        overlap = self.tensors.keys() & self.objects.keys()
+        if overlap:
+            raise ValueError(f"Batch: keys {sorted(overlap)} are both tensors and objects")
+
+    def __len__(self) -> int:
+        for v in self.tensors.values():
+            return v.shape[0]
+        for v in self.objects.values():
+            return len(v)
+        return 0
+
+    def keys(self) -> list[str]:
+        return list(self.tensors) + list(self.objects)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors or key in self.objects
+
+    def _missing(self, keys: Iterable[str]) -> KeyError:
+        return KeyError(f"Batch has no key(s) {sorted(keys)}; present: {sorted(self.keys())}")
+
+    def __getitem__(self, key: str) -> Tensor | list:
+        if key in self.tensors:
+            return self.tensors[key]
+        if key in self.objects:
+            return self.objects[key]
+        raise self._missing([key])
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
+
+    def __setitem__(self, key: str, value: Tensor | Sequence) -> None:
+        """Add or replace one key; its batch size must match."""
+        if len(self.keys()) and len(value) != len(self):
+            raise ValueError(f"Batch: {key!r} has batch size {len(value)}, the batch has {len(self)}")
+        if isinstance(value, Tensor):
+            self.objects.pop(key, None)
+            self.tensors[key] = value
+        else:
+            self.tensors.pop(key, None)
+            self.objects[key] = list(value)
+
+    def require(self, *keys: str) -> "Batch":
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise self._missing(missing)
+        return self
+
+    def __repr__(self) -> str:
+        tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self.tensors.items()}
+        return f"Batch(len={len(self)}, tensors={tensors}, objects={list(self.objects)}, meta={list(self.meta)})"
+
+    # ----------------------------------------------------------------- key operations
+    def select(self, *keys: str, meta: bool = True) -> "Batch":
+        """A new Batch with only ``keys`` (shared storage); a missing key is an error."""
+        self.require(*keys)
+        return Batch(
+            {k: self.tensors[k] for k in keys if k in self.tensors},
+            {k: self.objects[k] for k in keys if k in self.objects},
+            self.meta if meta else None,
+        )
+
+    def pop(self, *keys: str) -> "Batch":
+        """Remove ``keys`` from this batch and return them as a new Batch."""
+        out = self.select(*keys)
+        for k in keys:
+            self.tensors.pop(k, None)
+            self.objects.pop(k, None)
+        return out
+
+    def union(self, other: "Batch") -> "Batch":
+        """A new Batch with the keys of both; a key present in both must hold equal values."""
+        if len(self.keys()) and len(other.keys()) and len(self) != len(other):
+            raise ValueError(f"Batch.union: batch sizes differ ({len(self)} vs {len(other)})")
+        for k in set(self.keys()) & set(other.keys()):
+            a, b = self[k], other[k]
+            same = torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b
+            if not same:
+                raise ValueError(f"Batch.union: key {k!r} is in both batches with different values")
+        for k in set(self.meta) & set(other.meta):
+            if self.meta[k] != other.meta[k]:
+                raise ValueError(f"Batch.union: meta key {k!r} differs ({self.meta[k]!r} vs {other.meta[k]!r})")
+        return Batch({**self.tensors, **other.tensors}, {**self.objects, **other.objects}, {**self.meta, **other.meta})
+
+    # ----------------------------------------------------------------- row operations
+    def index(self, indices: Sequence[int] | Tensor | slice) -> "Batch":
+        """Rows picked by a slice or by integer indices (any order, repeats allowed)."""
+        if isinstance(indices, slice):
+            return Batch(
+                {k: v[indices] for k, v in self.tensors.items()},
+                {k: v[indices] for k, v in self.objects.items()},
+                self.meta,
+            )
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        rows = idx.tolist()
+        return Batch(
+            {k: v.index_select(0, idx.to(v.device)) for k, v in self.tensors.items()},
+            {k: [v[i] for i in rows] for k, v in self.objects.items()},
+            self.meta,
+        )
+
+    def reorder(self, indices: Sequence[int] | Tensor) -> "Batch":
+        """A permutation of the rows: ``new[i] = old[indices[i]]``."""
+        idx = torch.as_tensor(indices, dtype=torch.long)
+        if sorted(idx.tolist()) != list(range(len(self))):
+            raise ValueError(f"Batch.reorder needs a permutation of range({len(self)})")
+        return self.index(idx)
+
+    def split(self, size: int) -> list["Batch"]:
+        """Consecutive pieces of ``size`` rows (the last may be shorter)."""
+        if size <= 0:
+            raise ValueError("Batch.split: size must be positive")
+        return [self.index(slice(i, i + size)) for i in range(0, len(self), size)]
+
+    def chunk(self, n: int) -> list["Batch"]:
+        """``n`` equal pieces; the batch size must be divisible by ``n`` (see pad_to_divisor)."""
+        if n <= 0 or len(self) % n:
+            raise ValueError(f"Batch.chunk: {len(self)} rows cannot be cut into {n} equal chunks; pad_to_divisor first")
+        return self.split(len(self) // n)
+
+    @staticmethod
+    def concat(batches: Sequence["Batch"]) -> "Batch":
+        """Rows of all batches in order; keys must match, meta is taken from the first."""
+        batches = [b for b in batches if len(b.keys())]
+        if not batches:
+            return Batch()
+        keys = set(batches[0].keys())
+        for i, b in enumerate(batches[1:], 1):
+            if set(b.keys()) != keys:
+                raise ValueError(f"Batch.concat: batch {i} has keys {sorted(b.keys())}, batch 0 has {sorted(keys)}")
+        tensors = {k: _cat_padded([b.tensors[k] for b in batches]) for k in batches[0].tensors}
+        objects = {k: [x for b in batches for x in b.objects[k]] for k in batches[0].objects}
+        return Batch(tensors, objects, batches[0].meta)
+
+    def repeat(self, n: int, interleave: bool = True) -> "Batch":
+        """Each row ``n`` times: ``aabb`` (interleave) or ``abab``."""
+        rows = torch.arange(len(self))
+        idx = rows.repeat_interleave(n) if interleave else rows.repeat(n)
+        # copy objects so that per-sample edits of one repeat don't alias the others
+        out = self.index(idx)
+        out.objects = {k: [copy.copy(x) for x in v] for k, v in out.objects.items()}
+        return out
+
+    def pad_to_divisor(self, divisor: int) -> tuple["Batch", int]:
+        """Append copies of the first rows so that len is divisible by ``divisor``; returns (batch, pad)."""
+        pad = (-len(self)) % divisor
+        if pad == 0:
+            return self, 0
+        idx = torch.cat([torch.arange(len(self)), torch.arange(pad) % len(self)])
+        return self.index(idx), pad
+
+    def unpad(self, pad: int) -> "Batch":
+        return self if pad == 0 else self.index(slice(0, len(self) - pad))
+
+    # ----------------------------------------------------------------- misc
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch({k: v.to(device) for k, v in self.tensors.items()}, self.objects, self.meta)
+
+    def copy(self) -> "Batch":
+        """A shallow copy: new dicts, shared tensors and objects."""
+        return Batch(dict(self.tensors), dict(self.objects), dict(self.meta))
+
+
+def _cat_padded(tensors: list[Tensor]) -> Tensor:
+    """torch.cat on dim 0; tensors differing in the last dim must already agree (no silent padding)."""
+    shapes = {tuple(t.shape[1:]) for t in tensors}
+    if len(shapes) > 1:
+        raise ValueError(f"Batch.concat: tensors have different trailing shapes {sorted(shapes)}")
+    return torch.cat(tensors, dim=0)

