@@ -68,7 +68,8 @@ def loss_normalizer(response_mask: Tensor, loss_avg_mode: str, norm_length: int 
     """
     mode = canonical_loss_avg_mode(loss_avg_mode)
     if response_mask.dtype != torch.bool or response_mask.dim() != 2:
-        raise TypeError(f"response_mask must be a (B, T) bool tensor, got {response_mask.dtype} {tuple(response_mask.shape)}")
+        shape = tuple(response_mask.shape)
+        raise TypeError(f"response_mask must be a (B, T) bool tensor, got {response_mask.dtype} {shape}")
     if mode == "token":
         return float(response_mask.sum().item())
     num_seqs = float(response_mask.any(dim=-1).sum().item())

@@ -1,0 +1,59 @@
+"""Typed configuration: schema (dataclasses), loading (YAML + overrides), validation, derived values.
+
+    from easyvlm.config import load_config, validate, derive
+    cfg = load_config(["config=examples/config.yaml", "worker.rollout.n=8"])
+    validate(cfg)            # ConfigError listing every problem
+    derived = derive(cfg)    # world size, per-device batch sizes, total steps, ...
+"""
+
+from easyvlm.config.derived import Derived, RoleBatching, derive
+from easyvlm.config.errors import ConfigError, Problem
+from easyvlm.config.loader import apply_overrides, load_config, to_yaml
+from easyvlm.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    FSDPConfig,
+    LoraConfig,
+    ModelConfig,
+    OffloadConfig,
+    OptimConfig,
+    PPOConfig,
+    RefConfig,
+    RewardConfig,
+    RewardFunctionConfig,
+    RolloutConfig,
+    TrainerConfig,
+    WorkerConfig,
+)
+from easyvlm.config.validate import find_problems, validate
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "Derived",
+    "FSDPConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "OptimConfig",
+    "PPOConfig",
+    "Problem",
+    "RefConfig",
+    "RewardConfig",
+    "RewardFunctionConfig",
+    "RoleBatching",
+    "RolloutConfig",
+    "TrainerConfig",
+    "WorkerConfig",
+    "apply_overrides",
+    "derive",
+    "find_problems",
+    "load_config",
+    "to_yaml",
+    "validate",
+]

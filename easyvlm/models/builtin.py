@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from easyvlm.utils.cache import build_once, cache_root
@@ -86,7 +86,6 @@ class BuiltinModelSpec:
     max_position_embeddings: int = 4096
     seed: int = 0
     description: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
@@ -174,7 +173,7 @@ def resolve_model_path(path: str) -> str:
 
 
 def _download_from_hub(repo_id: str) -> str:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -193,12 +192,14 @@ def _download_from_hub(repo_id: str) -> str:
             f"directory; {_known_models_hint()}"
         ) from err
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
-        reason = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is unreachable"
+        if constants.HF_HUB_OFFLINE:
+            reason, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE if this machine has network access"
+        else:
+            reason, fix = "the Hugging Face hub is unreachable", "download it on a machine with network access"
         raise ModelNotFoundError(
             f"model {repo_id!r} is not in the local Hugging Face cache and {reason}, so it cannot be "
-            f"downloaded. Download it on a machine with network access (or unset HF_HUB_OFFLINE), pass a "
-            f"local model directory, or use a built-in model; {_known_models_hint()}"
+            f"downloaded. Fix: {fix}, pass a local model directory, or use a built-in model; "
+            f"{_known_models_hint()}"
         ) from err
 
 
@@ -270,7 +271,11 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
             num_attention_heads=spec.num_attention_heads,
             num_key_value_heads=spec.num_key_value_heads,
             max_position_embeddings=spec.max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(spec.mrope_section)},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": list(spec.mrope_section),
+            },
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
@@ -308,7 +313,9 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     ).save_pretrained(out_dir)
 
     pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-    common = dict(patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size)
+    common = dict(
+        patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size
+    )
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**pixel_limits, **common),
         video_processor=Qwen2VLVideoProcessor(**pixel_limits, **common),
@@ -320,10 +327,27 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
 
     n_params = sum(p.numel() for p in model.parameters())
     n_vision = sum(p.numel() for p in model.model.visual.parameters())
-    (out_dir / "easyvlm_builtin.json").write_text(
-        json.dumps(
-            {"name": name, "build_version": BUILD_VERSION, "num_parameters": n_params, "num_vision_parameters": n_vision},
-            indent=2,
-        )
-        + "\n"
-    )
+    info = {"name": name, "build_version": BUILD_VERSION, "num_parameters": n_params, "num_vision_parameters": n_vision}
+    (out_dir / "easyvlm_builtin.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m easyvlm.models.builtin [name ...] [--force]``: build (or rebuild) and print paths."""
+    import argparse
+    import shutil
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("names", nargs="*", default=list(BUILTIN_MODELS), help=f"default: {list(BUILTIN_MODELS)}")
+    parser.add_argument("--cache-dir", default=None, help="default: $EASYVLM_CACHE or ~/.cache/easyvlm")
+    parser.add_argument("--force", action="store_true", help="delete the cached build first (nothing may use it)")
+    args = parser.parse_args(argv)
+    for name in args.names:
+        if args.force:
+            shutil.rmtree(model_cache_dir(name, args.cache_dir), ignore_errors=True)
+        path = materialize_model(name, args.cache_dir)
+        info = json.loads((path / "easyvlm_builtin.json").read_text())
+        print(f"{BUILTIN_PREFIX}{name}: {path} ({info['num_parameters']:,} parameters)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Policy losses: ``PolicyLossInputs -> (loss, metrics)``, registered by name.
+
+Every loss computes per-token losses (B, T) and aggregates them with
+:func:`easyvlm.algorithms.aggregation.aggregate_loss` using ``loss_avg_mode`` and the mini-batch
+normaliser (see that module for how the actor passes it). Get one with
+``get_policy_loss(name_or_spec)``; ``policy_loss_names()`` lists the built-in ones.
+
+Metrics (floats, token means over this micro-batch's valid tokens; the actor averages them):
+``pg_clipfrac_higher`` (A > 0 and the ratio above 1 + clip_ratio_high, the clipped branch is
+active), ``pg_clipfrac_lower`` (A < 0 and the ratio below 1 - clip_ratio_low), ``pg_clipfrac_dual``
+(A < 0 and the dual clip active), ``ppo_kl`` (k1 estimate of KL(old || new), mean of
+old_logprobs - logprobs) and ``entropy_loss`` (mean of -logprobs, a one-sample estimate of the
+entropy; the exact entropy comes from logits, see ``entropy.py``).
+
+Departures from the papers and from EasyR1:
+- EasyR1's ``pg_clipfrac_higher`` counts both sides of the ordinary clip and its
+  ``pg_clipfrac_lower`` counts the dual clip; here the three are reported separately.
+- The log-ratio is clamped to [-20, 20] before exp (no inf ratio, no NaN gradient).
+- gspo / gspo_token: no dual clip (the paper has none); the configured ``loss_avg_mode`` is used
+  (the paper's is "seq"); the paper's clip ranges are ~3e-4 / 4e-4, far smaller than PPO's, so
+  set ``clip_ratio_low`` / ``clip_ratio_high`` accordingly. The sequence ratio uses the per-token
+  advantage (identical to the paper's when the estimator gives one advantage per sequence).
+- cispo: the clip bounds are ``1 - clip_ratio_low`` and ``1 + clip_ratio_high`` (the paper
+  effectively uses no lower bound: set clip_ratio_low >= 1 for that). Its loss *value* is
+  -w * A * logprob, not comparable with PPO's; its gradient is what matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from easyvlm.algorithms.aggregation import aggregate_loss, canonical_loss_avg_mode
+from easyvlm.algorithms.masked import check_mask, masked_mean, masked_sum, zero_masked
+from easyvlm.algorithms.registry import Registry
+
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """Inputs of every policy loss. All (B, T) tensors share the response_mask's shape."""
+
+    logprobs: Tensor
+    """(B, T) float, with grad: log pi_theta(y_t) under the current policy."""
+    old_logprobs: Tensor
+    """(B, T) float: log-probs of the policy that sampled (or of the last update), no grad."""
+    advantages: Tensor
+    """(B, T) float."""
+    response_mask: Tensor
+    """(B, T) bool: True = the token counts in the loss."""
+    clip_ratio_low: float = 0.2
+    """PPO epsilon below 1: the ratio is clipped at 1 - clip_ratio_low. arXiv:1707.06347."""
+    clip_ratio_high: float = 0.3
+    """Epsilon above 1 (DAPO's clip-higher, arXiv:2503.14476): clipped at 1 + clip_ratio_high."""
+    clip_ratio_dual: float = 3.0
+    """Dual-clip constant c > 1: for A < 0 the loss is at most -A * c. arXiv:1912.09729."""
+    loss_avg_mode: str = "token"
+    """Aggregation mode, see aggregation.py (aliases accepted)."""
+    normalizer: float | None = None
+    """N of the whole mini-batch from ``loss_normalizer``; None = this batch is the mini-batch."""
+
+    def __post_init__(self) -> None:
+        check_mask(self.response_mask, self.logprobs)
+        for name in ("logprobs", "old_logprobs", "advantages"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != tuple(self.response_mask.shape):
+                expected = tuple(self.response_mask.shape)
+                raise ValueError(f"PolicyLossInputs.{name} has shape {shape}, expected {expected} (response_mask)")
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(
+                f"clip_ratio_low / clip_ratio_high must be >= 0, got {self.clip_ratio_low} / {self.clip_ratio_high}"
+            )
+        if self.clip_ratio_dual <= 1.0:
+            raise ValueError(f"clip_ratio_dual must be > 1 (dual-clip PPO), got {self.clip_ratio_dual}")
+        canonical_loss_avg_mode(self.loss_avg_mode)
+
+
+PolicyLossFn = Callable[[PolicyLossInputs], "tuple[Tensor, dict[str, float]]"]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "worker.actor.loss_type")
+register_policy_loss = POLICY_LOSSES.register
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    """Names of the built-in (and Python-registered) policy losses."""
+    return POLICY_LOSSES.names()
+
+
+def get_policy_loss(name_or_spec: str) -> PolicyLossFn:
+    """The loss for a registered name or a ``path/to/file.py:func`` plug-in.
+
+    A plug-in is called with a :class:`PolicyLossInputs` and must return ``(loss, metrics)``: a
+    0-d tensor and a dict of floats; the returned function checks that and names the file.
+    """
+    fn, is_plugin = POLICY_LOSSES.get(name_or_spec)
+    if not is_plugin:
+        return fn
+
+    def checked(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+        out = fn(inputs)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Tensor) and isinstance(out[1], dict)):
+            raise TypeError(
+                f"policy loss {name_or_spec} must return (loss: 0-d tensor, metrics: dict), got {type(out).__name__}"
+            )
+        if out[0].dim() != 0:
+            shape = tuple(out[0].shape)
+            raise ValueError(f"policy loss {name_or_spec} returned a loss of shape {shape}; expected a 0-d tensor")
+        return out
+
+    return checked
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    mask: Tensor
+    logprobs: Tensor  # (B, T), 0 at masked positions (gradient 0 there)
+    advantages: Tensor  # (B, T), 0 at masked positions
+    log_ratio: Tensor  # (B, T) clamped log(pi / pi_old), 0 at masked positions
+
+
+def _prepare(inputs: PolicyLossInputs) -> _Prepared:
+    mask = inputs.response_mask
+    logprobs = zero_masked(inputs.logprobs, mask)
+    old_logprobs = zero_masked(inputs.old_logprobs, mask)
+    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _Prepared(mask, logprobs, zero_masked(inputs.advantages, mask), log_ratio)
+
+
+def _fraction(flags: Tensor, mask: Tensor) -> float:
+    return masked_mean(flags.to(torch.float32), mask).item()
+
+
+def _base_metrics(p: _Prepared) -> dict[str, float]:
+    return {
+        "ppo_kl": masked_mean(-p.log_ratio.detach(), p.mask).item(),
+        "entropy_loss": masked_mean(-p.logprobs.detach(), p.mask).item(),
+    }
+
+
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, inputs: PolicyLossInputs) -> tuple[Tensor, Tensor]:
+    """Pessimistic PPO token loss max(-A r, -A clip(r)) and the mask of tokens where clipping is active."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+@register_policy_loss("default")
+def ppo_clip_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with asymmetric clip and dual clip.
+
+    r = exp(logprobs - old_logprobs); l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    (PPO, arXiv:1707.06347 eqn. 7; eps_high > eps_low is DAPO's clip-higher, arXiv:2503.14476);
+    for A < 0 also l = min(l, -A c) (dual-clip PPO, arXiv:1912.09729). Shapes: (B, T) in,
+    0-d loss out.
+    """
+    p = _prepare(inputs)
+    ratio = torch.exp(p.log_ratio)
+    clip_loss, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
+    dual_bound = -p.advantages * inputs.clip_ratio_dual
+    negative = p.advantages < 0
+    token_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
+    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    metrics = {
+        "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
+        "pg_clipfrac_lower": _fraction(clip_active & negative, p.mask),
+        "pg_clipfrac_dual": _fraction(negative & (clip_loss > dual_bound), p.mask),
+        **_base_metrics(p),
+    }
+    return loss, metrics
+
+
+def _seq_log_ratio(p: _Prepared) -> Tensor:
+    """(B,) mean over valid tokens of log(pi / pi_old): log of GSPO's length-normalised ratio s_i."""
+    return masked_sum(p.log_ratio, p.mask, dim=-1) / p.mask.sum(dim=-1).clamp(min=1)
+
+
+def _gspo_from_log_ratio(log_s: Tensor, p: _Prepared, inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    ratio = torch.exp(log_s)
+    token_losses, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
+    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    metrics = {
+        "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
+        "pg_clipfrac_lower": _fraction(clip_active & (p.advantages < 0), p.mask),
+        "pg_clipfrac_dual": 0.0,
+        **_base_metrics(p),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def gspo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """GSPO: sequence-level ratio s_i = exp(mean_t log(pi / pi_old)). Zheng et al., arXiv:2507.18071.
+
+    Every token of sequence i carries l = max(-A s_i, -A clip(s_i, 1 - eps_low, 1 + eps_high));
+    the gradient flows through s_i, i.e. through all tokens of the sequence. Shapes: (B, T) in.
+    """
+    p = _prepare(inputs)
+    log_s = _seq_log_ratio(p).unsqueeze(-1).expand(p.mask.shape)  # (B, T)
+    return _gspo_from_log_ratio(log_s, p, inputs)
+
+
+@register_policy_loss("gspo_token")
+def gspo_token_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """GSPO-token: s_it = sg[s_i] * pi(y_t) / sg[pi(y_t)]. Zheng et al., arXiv:2507.18071.
+
+    Numerically s_it = s_i (same clipping as gspo), but each token's gradient is its own
+    A_it * s_i * grad log pi(y_t): allows per-token advantages. Equals gspo when A is constant
+    per sequence and loss_avg_mode is "seq".
+    """
+    p = _prepare(inputs)
+    log_s = p.logprobs - p.logprobs.detach() + _seq_log_ratio(p).detach().unsqueeze(-1)  # (B, T)
+    return _gspo_from_log_ratio(log_s, p, inputs)
+
+
+@register_policy_loss("cispo")
+def cispo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """CISPO: l = -sg[clip(r, 1 - eps_low, 1 + eps_high)] * A * logprobs. MiniMax-M1, arXiv:2506.13585.
+
+    The importance weight is clipped and detached instead of the update being dropped, so every
+    token keeps a gradient A * w * grad log pi. Shapes: (B, T) in, 0-d loss out.
+    """
+    p = _prepare(inputs)
+    ratio = torch.exp(p.log_ratio).detach()
+    weight = ratio.clamp(1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
+    token_losses = -weight * p.advantages * p.logprobs
+    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    metrics = {
+        "pg_clipfrac_higher": _fraction(ratio > 1.0 + inputs.clip_ratio_high, p.mask),
+        "pg_clipfrac_lower": _fraction(ratio < 1.0 - inputs.clip_ratio_low, p.mask),
+        "pg_clipfrac_dual": 0.0,
+        **_base_metrics(p),
+    }
+    return loss, metrics

@@ -1,0 +1,61 @@
+"""Command-line front end: argv -> a validated `PPOConfig`, or a clean error and exit status 2.
+
+``easyvlm/trainer/main.py`` calls `parse_and_validate(sys.argv[1:])` before Ray starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn, Sequence
+
+from easyvlm.config.errors import Problem, format_problems
+from easyvlm.config.loader import load_config_collecting, to_yaml
+from easyvlm.config.schema import PPOConfig
+from easyvlm.config.validate import find_problems
+
+EXIT_CONFIG_ERROR = 2
+_PRINT_FLAGS = ("--print-config", "--print_config")
+_TRUE = ("true", "yes", "1", "on")
+_FALSE = ("false", "no", "0", "off")
+
+
+def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
+    """Load ``config=file.yaml`` and ``key=value`` overrides, validate, and return the config.
+
+    On any problem, print ``easyvlm: config error:`` and one line per problem to stderr and exit
+    with status 2 (no traceback). With ``print_config=true`` (or ``--print-config``), print the
+    resolved config as YAML and exit 0. Local files the config names must exist.
+    """
+    args, print_config, problems = _take_print_flag(argv)
+    cfg, load_problems = load_config_collecting(args)
+    problems += load_problems
+    problems += find_problems(cfg, check_files=True)
+    if problems:
+        _fail(problems)
+    if print_config:
+        sys.stdout.write(to_yaml(cfg))
+        sys.stdout.flush()
+        sys.exit(0)
+    return cfg
+
+
+def _take_print_flag(argv: Sequence[str]) -> tuple[list[str], bool, list[Problem]]:
+    args, print_config, problems = [], False, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if arg in _PRINT_FLAGS:
+            print_config = True
+        elif sep and key.strip() == "print_config":
+            if value.strip().lower() in _TRUE:
+                print_config = True
+            elif value.strip().lower() not in _FALSE:
+                problems.append(Problem("print_config", f"expected true or false, got {value!r}"))
+        else:
+            args.append(arg)
+    return args, print_config, problems
+
+
+def _fail(problems: list[Problem]) -> NoReturn:
+    sys.stderr.write(f"easyvlm: config error:\n{format_problems(problems)}\n")
+    sys.stderr.flush()
+    sys.exit(EXIT_CONFIG_ERROR)

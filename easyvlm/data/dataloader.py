@@ -1,0 +1,124 @@
+"""A seeded, resumable prompt loader: batches of Batch, with its position in a checkpoint.
+
+The order of epoch ``e`` is a permutation drawn from ``torch.Generator`` seeded with
+``(seed, e)``, so it depends on nothing but the seed, the epoch and the data set size. The loader
+counts the batches it has handed out; ``state_dict()`` saves (epoch, batches handed out), and a
+loader restored with ``load_state_dict()`` continues with the next batch of the same order. The
+loader runs in the calling process (no worker processes): images are decoded when a batch is made.
+
+Usage (the trainer)::
+
+    train_loader, val_loader = create_dataloaders(cfg.data, tokenizer, processor, model_config)
+    for batch in train_loader:      # one epoch from the current position; then the epoch advances
+        ...
+    ckpt["dataloader"] = train_loader.state_dict()
+    train_loader.load_state_dict(ckpt["dataloader"])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from easyvlm.data.batch import Batch
+from easyvlm.data.collate import collate_prompts
+from easyvlm.data.dataset import RLDataset
+from easyvlm.data.loading import DataError
+
+
+class PromptDataLoader:
+    """Batches of ``batch_size`` prompts from ``dataset`` as prompt Batches (easyvlm.data.collate).
+
+    shuffle: a new seeded permutation every epoch (else the file order). drop_last: drop the
+    last, smaller batch of an epoch (training: every step has ``rollout_batch_size`` prompts).
+    """
+
+    def __init__(self, dataset: RLDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool):
+        if batch_size <= 0:
+            raise ValueError(f"PromptDataLoader: batch_size must be positive, got {batch_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise DataError(
+                f"{dataset.key}: {len(dataset)} usable rows, fewer than the {batch_size} prompts one step needs "
+                f"(data.rollout_batch_size / mini_rollout_batch_size); lower it or add rows ({dataset.report.summary()})"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already handed out
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> list[int]:
+        """Row order of ``epoch``."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return list(range(n))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The batches of the current epoch from the current position; then the epoch advances."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self.order(self.epoch)
+        while self.position < len(self):
+            start = self.position * self.batch_size
+            indices = order[start : start + self.batch_size]
+            batch = collate_prompts([self.dataset[i] for i in indices], self.dataset.pad_token_id)
+            self.position += 1
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "batch_size": self.batch_size,
+            "num_rows": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where the saved loader stopped. The data, seed and batch size must be the same."""
+        mismatched = {
+            k: (state.get(k), now)
+            for k, now in (("num_rows", len(self.dataset)), ("seed", self.seed), ("batch_size", self.batch_size), ("shuffle", self.shuffle))
+            if state.get(k) != now
+        }
+        if mismatched:
+            details = ", ".join(f"{k}: checkpoint {old!r}, now {new!r}" for k, (old, new) in mismatched.items())
+            raise ValueError(
+                f"dataloader state does not fit this run ({details}); the checkpoint's data order cannot be "
+                f"continued. Use the same data and data.seed / rollout_batch_size, or start without the checkpoint"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+
+def create_dataloaders(
+    config: Any, tokenizer: Any, processor: Any = None, model_config: Any = None
+) -> tuple[PromptDataLoader, PromptDataLoader | None]:
+    """(train loader, validation loader or None when data.val_files is empty) from a DataConfig.
+
+    Train: ``mini_rollout_batch_size`` (if set) else ``rollout_batch_size`` prompts per batch,
+    shuffled with ``data.seed`` when ``data.shuffle``, last partial batch dropped. Validation:
+    ``val_batch_size`` prompts per batch (-1 = all rows in one batch), file order, nothing dropped.
+    """
+    train = RLDataset(config.train_files, config, tokenizer, processor, model_config, "data.train_files", "train")
+    batch_size = getattr(config, "mini_rollout_batch_size", None) or config.rollout_batch_size
+    train_loader = PromptDataLoader(train, int(batch_size), bool(config.shuffle), int(config.seed), drop_last=True)
+    val_files = getattr(config, "val_files", None)
+    if not val_files:
+        return train_loader, None
+    val = RLDataset(val_files, config, tokenizer, processor, model_config, "data.val_files", "val")
+    val_batch_size = int(getattr(config, "val_batch_size", -1))
+    val_loader = PromptDataLoader(val, len(val) if val_batch_size == -1 else val_batch_size, False, 0, drop_last=False)
+    return train_loader, val_loader

@@ -1,0 +1,369 @@
+"""RLDataset: data rows -> tokenized prompts with fitted images, checked before training starts.
+
+A row becomes a prompt in one function, :meth:`PromptEncoder.encode`: load and fit the images
+(easyvlm.data.images.fit_image), render the format prompt, split ``<image>`` placeholders into
+chat content, apply the chat template, tokenize with the processor (which does not resize again),
+and check that the image tokens match the image grids. The same call counts tokens for
+``filter_overlong_prompts``, and produces the token ids and images that both the rollout and the
+training forward get, so the three cannot disagree.
+
+At construction every row is encoded once. Bad rows (missing key, missing or unreadable image,
+placeholder/image count mismatch, too long with ``prompt_truncation=error``, ...) stop the run
+with one error listing them by file and row, or with ``data.on_bad_row=skip`` are dropped and
+counted in :attr:`RLDataset.report`.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from easyvlm.data.images import ImageLoadError, check_pixel_limits, fit_image, image_factor, load_image
+from easyvlm.data.loading import DataError, RowSource, describe, json_list_or_value, load_sources
+from easyvlm.data.prompts import PromptError, build_messages, render_prompt, resolve_chat_template
+from easyvlm.models.position_ids import get_position_ids
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+BAD_ROW_MODES = ("raise", "skip")
+MAX_LISTED_BAD_ROWS = 10
+NO_PIXEL_LIMIT = 2**62
+
+
+class RowError(ValueError):
+    """One row that cannot become a prompt (message: the problem, without the row's location)."""
+
+
+@dataclass
+class BadRow:
+    where: str  # "path/to/file.jsonl row 3 (line 4)"
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.problem}"
+
+
+@dataclass
+class DatasetReport:
+    """What the construction scan found. ``kept`` rows are used; the others are listed or counted."""
+
+    key: str
+    total: int = 0
+    kept: int = 0
+    bad_rows: list[BadRow] = field(default_factory=list)
+    overlong: int = 0  # dropped by filter_overlong_prompts
+
+    def summary(self) -> str:
+        parts = [f"{self.key}: {self.kept} of {self.total} rows used"]
+        if self.bad_rows:
+            parts.append(f"{len(self.bad_rows)} bad rows skipped (data.on_bad_row=skip)")
+        if self.overlong:
+            parts.append(f"{self.overlong} rows longer than data.max_prompt_length dropped (data.filter_overlong_prompts)")
+        return "; ".join(parts)
+
+
+@dataclass
+class EncodedPrompt:
+    """One tokenized prompt.
+
+    input_ids: (P,) unpadded, each image expanded to its tokens (what the training forward sees).
+    raw_prompt_ids: the same with ONE image token per image (what vLLM gets with ``images``; it
+    expands them itself, to the same ``input_ids`` because the images are fitted).
+    """
+
+    input_ids: list[int]
+    raw_prompt_ids: list[int]
+    images: list  # PIL images after fit_image
+    multi_modal_inputs: dict[str, Tensor]  # pixel_values (N_patches, D), image_grid_thw (N_img, 3); {} if none
+    prompt_text: str  # the chat-template text (one image pad token per image), before any truncation
+
+
+def collapse_image_tokens(input_ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
+    """Replace the ``tokens_per_image[k]`` tokens of image k by one ``image_token_id`` (images in order)."""
+    out: list[int] = []
+    i, k = 0, 0
+    while i < len(input_ids):
+        if input_ids[i] == image_token_id and k < len(tokens_per_image):
+            out.append(image_token_id)
+            i += tokens_per_image[k]
+            k += 1
+        else:
+            out.append(input_ids[i])
+            i += 1
+    return out
+
+
+def _opt(config: Any, name: str, default: Any) -> Any:
+    value = getattr(config, name, default)
+    return default if value is None and default is not None else value
+
+
+class PromptEncoder:
+    """Turns a data row into an :class:`EncodedPrompt` (see the module docstring).
+
+    tokenizer: the model's tokenizer. processor: its multimodal processor, or None for a
+    text-only model. model_config: the model's transformers config (for position ids and the
+    image token id). config: a DataConfig (duck-typed: the ``data.*`` field names).
+    """
+
+    def __init__(self, config: Any, tokenizer: Any, processor: Any = None, model_config: Any = None):
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", processor)
+        # AutoProcessor gives a bare tokenizer for a text-only model: that is "no processor" here.
+        self.processor = processor if getattr(processor, "image_processor", None) is not None else None
+        processor = self.processor
+        self.model_config = model_config
+        self.prompt_key = config.prompt_key
+        self.answer_key = config.answer_key
+        self.image_key = config.image_key
+        self.video_key = _opt(config, "video_key", "videos")
+        self.image_dir = _opt(config, "image_dir", None)
+        self.max_prompt_length = int(config.max_prompt_length)
+        self.format_prompt = _opt(config, "format_prompt", None)
+        self.system_prompt = _opt(config, "system_prompt", None)
+        self.truncation = _opt(config, "prompt_truncation", "error")
+        if self.truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.prompt_truncation={self.truncation!r}; choose one of {TRUNCATION_MODES}")
+        self.chat_template = resolve_chat_template(_opt(config, "override_chat_template", None))
+        self.factor = image_factor(processor) if processor is not None else None
+        if self.factor is not None:
+            # None = no limit: at least one factor x factor block, at most what fits in int64.
+            self.min_pixels = int(_opt(config, "min_pixels", None) or self.factor**2)
+            self.max_pixels = int(_opt(config, "max_pixels", None) or NO_PIXEL_LIMIT)
+            check_pixel_limits(self.min_pixels, self.max_pixels, self.factor)
+            self.merge_size = int(processor.image_processor.merge_size)
+            self.image_token_id = int(
+                getattr(model_config, "image_token_id", None) or getattr(processor, "image_token_id")
+            )
+        if self.tokenizer is None:
+            raise ValueError("PromptEncoder needs a tokenizer or a processor")
+        self.pad_token_id = _pad_token_id(self.tokenizer)
+
+    # ------------------------------------------------------------------ one row
+    def raw_images(self, row: dict) -> list:
+        value = json_list_or_value(row.get(self.image_key))
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return []
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def load_images(self, row: dict, base_dir: Any) -> list:
+        images = []
+        for k, value in enumerate(self.raw_images(row)):
+            try:
+                image = load_image(value, self.image_dir if self.image_dir else base_dir)
+                images.append(fit_image(image, self.min_pixels, self.max_pixels, self.factor))
+            except ImageLoadError as err:
+                raise RowError(f"{self.image_key}[{k}]: {err}") from err
+        return images
+
+    def encode(self, row: dict, base_dir: Any = None) -> EncodedPrompt:
+        """Row -> EncodedPrompt, before any length policy. Raises RowError naming the problem."""
+        for key, config_key in ((self.prompt_key, "data.prompt_key"), (self.answer_key, "data.answer_key")):
+            if row.get(key) is None:
+                raise RowError(f"missing key {key!r} ({config_key}); the row has {sorted(row)}")
+        content = row[self.prompt_key]
+        if not isinstance(content, str):
+            raise RowError(f"{self.prompt_key!r} must be a string, got {type(content).__name__}")
+        videos = json_list_or_value(row.get(self.video_key))
+        if videos:
+            raise RowError(f"videos are not supported yet: the row has a non-empty {self.video_key!r} column")
+        if self.raw_images(row) and self.processor is None:
+            raise RowError("the row has images but the model has no image processor (text-only model)")
+        images = self.load_images(row, base_dir) if self.processor is not None else []
+        try:
+            text = render_prompt(content, row, self.format_prompt)
+            messages = build_messages(text, len(images), self.system_prompt, multimodal=self.processor is not None)
+        except PromptError as err:
+            raise RowError(str(err)) from err
+
+        if self.processor is None:
+            prompt_text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+            )
+            input_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+            return EncodedPrompt(input_ids, input_ids, [], {}, prompt_text)
+
+        prompt_text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+        )
+        # do_resize=False: the images are already fitted; the processor must not resize again.
+        out = self.processor(
+            text=[prompt_text],
+            images=images or None,
+            do_resize=False,
+            add_special_tokens=False,
+            return_tensors="pt",
+        )
+        input_ids = out["input_ids"][0].tolist()
+        mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else {}
+        found, expected = input_ids.count(self.image_token_id), sum(self.tokens_per_image(mm))
+        if found != expected:
+            raise RowError(
+                f"the tokenized prompt has {found} image tokens but its {len(images)} image(s) give {expected} "
+                f"features (does the text contain the image pad token literally?)"
+            )
+        return EncodedPrompt(input_ids, self.raw_ids(input_ids, mm), images, mm, prompt_text)
+
+    def tokens_per_image(self, mm: dict[str, Tensor]) -> list[int]:
+        """Image tokens (= vision tower features) of each image: t * h * w / merge_size**2."""
+        return (mm["image_grid_thw"].prod(-1) // self.merge_size**2).tolist() if mm else []
+
+    def raw_ids(self, input_ids: list[int], mm: dict[str, Tensor]) -> list[int]:
+        """``input_ids`` with one image token per image (what vLLM gets)."""
+        if not mm:
+            return list(input_ids)
+        return collapse_image_tokens(input_ids, self.image_token_id, self.tokens_per_image(mm))
+
+    def apply_length_policy(self, enc: EncodedPrompt) -> EncodedPrompt:
+        """Truncate (left/right) or refuse (error) a prompt longer than data.max_prompt_length."""
+        n = len(enc.input_ids)
+        limit = self.max_prompt_length
+        if n <= limit:
+            return enc
+        if self.truncation == "error":
+            raise RowError(
+                f"the prompt has {n} tokens, more than data.max_prompt_length={limit} "
+                f"(data.prompt_truncation=error); raise max_prompt_length, lower data.max_pixels, set "
+                f"data.filter_overlong_prompts=true to drop such rows, or prompt_truncation=left/right"
+            )
+        kept = enc.input_ids[n - limit :] if self.truncation == "left" else enc.input_ids[:limit]
+        if enc.images and kept.count(self.image_token_id) != enc.input_ids.count(self.image_token_id):
+            raise RowError(
+                f"the prompt has {n} tokens, more than data.max_prompt_length={limit}, and truncating it "
+                f"({self.truncation}) would cut image tokens; raise max_prompt_length or lower data.max_pixels"
+            )
+        return EncodedPrompt(kept, self.raw_ids(kept, enc.multi_modal_inputs), enc.images, enc.multi_modal_inputs, enc.prompt_text)
+
+    def position_ids(self, enc: EncodedPrompt) -> Tensor:
+        """(4, P) for mRoPE models, (P,) otherwise."""
+        ids = torch.tensor([enc.input_ids], dtype=torch.long)
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        grid = enc.multi_modal_inputs.get("image_grid_thw")
+        return get_position_ids(ids, mask, grid, None, self.model_config)[0]
+
+
+def _pad_token_id(tokenizer: Any) -> int:
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("the tokenizer has neither a pad token nor an eos token; set tokenizer.pad_token")
+
+
+class RLDataset(torch.utils.data.Dataset):
+    """Prompts of one split. ``dataset[i]`` is a dict of one sample (see :meth:`__getitem__`).
+
+    files: what data.train_files / data.val_files hold. key: that config key, for messages.
+    name: prefix of the per-row ``uid`` (``f"{name}-{row number over all files}"``, stable
+    across runs, so a resumed run sees the same uids).
+    """
+
+    def __init__(
+        self,
+        files: str | Sequence[str],
+        config: Any,
+        tokenizer: Any,
+        processor: Any = None,
+        model_config: Any = None,
+        key: str = "data.train_files",
+        name: str = "train",
+    ):
+        self.encoder = PromptEncoder(config, tokenizer, processor, model_config)
+        self.config = config
+        self.key = key
+        self.name = name
+        on_bad_row = _opt(config, "on_bad_row", "raise")
+        if on_bad_row not in BAD_ROW_MODES:
+            raise ValueError(f"data.on_bad_row={on_bad_row!r}; choose one of {BAD_ROW_MODES}")
+        self.sources: list[RowSource] = load_sources(files, key)
+        self.pad_token_id = self.encoder.pad_token_id
+        self.report = DatasetReport(key, total=sum(len(s) for s in self.sources))
+        if self.report.total == 0:
+            raise DataError(f"{key}: {describe(self.sources)} has no rows")
+        self.index: list[tuple[int, int, int]] = self._scan(on_bad_row)  # (source, row, uid number)
+        self.report.kept = len(self.index)
+        logger.info(self.report.summary())
+        if not self.index:
+            raise DataError(f"{key}: no usable rows in {describe(self.sources)} ({self.report.summary()})")
+
+    # ------------------------------------------------------------------ scan
+    def _check_row(self, job: tuple[int, int]) -> tuple[str, str | None]:
+        """("ok" | "overlong" | "bad", problem)."""
+        source_id, row_id = job
+        source = self.sources[source_id]
+        try:
+            enc = self.encoder.encode(dict(source.rows[row_id]), source.base_dir)
+            if len(enc.input_ids) > self.encoder.max_prompt_length and getattr(self.config, "filter_overlong_prompts", False):
+                return "overlong", None
+            self.encoder.apply_length_policy(enc)
+        except RowError as err:
+            return "bad", str(err)
+        return "ok", None
+
+    def _scan(self, on_bad_row: str) -> list[tuple[int, int, int]]:
+        jobs = [(s, r) for s, source in enumerate(self.sources) for r in range(len(source))]
+        workers = int(_opt(self.config, "filter_overlong_prompts_workers", 1))
+        if workers > 1 and len(jobs) > 1:
+            # Threads: image decoding, resizing and the processor's tensor ops release the GIL.
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                results = list(pool.map(self._check_row, jobs))
+        else:
+            results = [self._check_row(job) for job in jobs]
+        kept = []
+        for uid_number, ((s, r), (status, problem)) in enumerate(zip(jobs, results)):
+            if status == "ok":
+                kept.append((s, r, uid_number))
+            elif status == "overlong":
+                self.report.overlong += 1
+            else:
+                self.report.bad_rows.append(BadRow(self.sources[s].where(r), problem or ""))
+        bad = self.report.bad_rows
+        if bad and on_bad_row == "raise":
+            listed = "\n".join(f"  {b}" for b in bad[:MAX_LISTED_BAD_ROWS])
+            more = f"\n  ... and {len(bad) - MAX_LISTED_BAD_ROWS} more" if len(bad) > MAX_LISTED_BAD_ROWS else ""
+            raise DataError(
+                f"{self.key}: {len(bad)} bad row(s) of {self.report.total}:\n{listed}{more}\n"
+                f"Fix these rows, or set data.on_bad_row=skip to drop them (the count is reported)."
+            )
+        if bad:
+            logger.warning(
+                "%s: skipped %d bad row(s) (data.on_bad_row=skip); first: %s", self.key, len(bad), bad[0]
+            )
+        return kept
+
+    # ------------------------------------------------------------------ access
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One sample:
+
+        input_ids (P,) int64 · position_ids (4, P) or (P,) int64 · raw_prompt_ids list[int]
+        (input_ids with one image token per image, for vLLM) · images list[PIL] · multi_modal_inputs dict · ground_truth ·
+        uid str · prompt_text str · extra dict (the row's other columns).
+        """
+        source_id, row_id, uid_number = self.index[i]
+        source = self.sources[source_id]
+        row = dict(source.rows[row_id])
+        try:
+            enc = self.encoder.apply_length_policy(self.encoder.encode(row, source.base_dir))
+        except RowError as err:  # the scan passed, so the data changed on disk since
+            raise DataError(f"{source.where(row_id)}: {err}") from err
+        reserved = {self.encoder.prompt_key, self.encoder.answer_key, self.encoder.image_key, self.encoder.video_key}
+        return {
+            "input_ids": torch.tensor(enc.input_ids, dtype=torch.long),
+            "position_ids": self.encoder.position_ids(enc),
+            "raw_prompt_ids": enc.raw_prompt_ids,
+            "images": enc.images,
+            "multi_modal_inputs": enc.multi_modal_inputs,
+            "ground_truth": row[self.encoder.answer_key],
+            "uid": f"{self.name}-{uid_number}",
+            "prompt_text": enc.prompt_text,
+            "extra": {k: v for k, v in row.items() if k not in reserved},
+        }

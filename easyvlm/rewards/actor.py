@@ -1,0 +1,82 @@
+"""The reward actor: a RewardManager in its own Ray actor on the CPU, plus the driver-side helper
+that turns a rollout Batch into RewardInputs.
+
+The trainer starts a computation and collects it later, so that scoring overlaps the log-prob
+passes::
+
+    actor = create_reward_actor(config.worker.reward)            # once, in the driver
+    ref = actor.compute.remote(build_reward_inputs(batch, tokenizer))
+    ...                                                          # old / ref log-probs meanwhile
+    result = ray.get(ref)                                        # RewardResult; raises RewardError
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from easyvlm.data.batch import Batch
+from easyvlm.rewards.loader import load_reward_function
+from easyvlm.rewards.manager import RewardManager, RewardSettings
+from easyvlm.rewards.types import RewardInput, RewardResult
+
+
+class RewardActor:
+    """Holds one RewardManager (and its worker processes) for the whole run."""
+
+    def __init__(self, settings: RewardSettings):
+        self.manager = RewardManager(settings)
+
+    def compute(self, inputs: list[RewardInput]) -> RewardResult:
+        return self.manager.compute(inputs)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def create_reward_actor(reward_config: Any, name: str | None = None) -> "ray.actor.ActorHandle":
+    """Start a RewardActor for ``PPOConfig.worker.reward`` (Ray must be initialised).
+
+    Paths are resolved against the driver's working directory, and every reward file is loaded and
+    its signature checked here first, so a bad spec fails in the driver with a plain RewardError
+    rather than inside the actor.
+    """
+    settings = RewardSettings.from_config(reward_config)
+    for spec in settings.functions:
+        load_reward_function(spec)
+    options: dict[str, Any] = {"num_cpus": reward_config.num_cpus, "num_gpus": 0}
+    if name is not None:
+        options["name"] = name
+    return ray.remote(RewardActor).options(**options).remote(settings)
+
+
+def build_reward_inputs(batch: Batch, tokenizer: Any, skip_special_tokens: bool = True) -> list[RewardInput]:
+    """One RewardInput per sample of a rollout Batch.
+
+    Needs tensors ``responses`` (B, T) and ``response_mask`` (B, T) bool, and objects
+    ``ground_truth``; uses the objects ``prompt_text``, ``images``, ``original_image_sizes`` and
+    ``extra`` when present. The response text is the decoded tokens that ``response_mask`` selects
+    (EOS included, then dropped by ``skip_special_tokens``); ``response_length`` is their count.
+    """
+    batch.require("responses", "response_mask", "ground_truth")
+    responses, mask = batch["responses"], batch["response_mask"].bool()
+    n = len(batch)
+    token_ids = [responses[i][mask[i]].tolist() for i in range(n)]
+    texts = tokenizer.batch_decode(token_ids, skip_special_tokens=skip_special_tokens)
+    prompts = batch.get("prompt_text", [""] * n)
+    images = batch.get("images", [None] * n)
+    sizes = batch.get("original_image_sizes", [None] * n)
+    extra = batch.get("extra", [None] * n)
+    return [
+        RewardInput(
+            response=texts[i],
+            response_length=len(token_ids[i]),
+            ground_truth=batch["ground_truth"][i],
+            prompt=prompts[i] or "",
+            images=list(images[i] or []),
+            original_image_sizes=None if sizes[i] is None else [tuple(s) for s in sizes[i]],
+            extra=dict(extra[i] or {}),
+        )
+        for i in range(n)
+    ]

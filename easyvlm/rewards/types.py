@@ -1,0 +1,88 @@
+"""The values that cross the reward boundary: what a reward function gets, what the trainer gets back.
+
+A user's reward function never sees these classes: it gets plain dicts (:meth:`RewardInput.to_dict`)
+and returns floats or dicts of floats; docs/rewards.md is the contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The keys every input dict has. Extra dataset columns are added under their own names too, but
+# never over one of these (they are always under "extra" as well).
+STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "images", "original_image_sizes", "extra")
+
+
+@dataclass
+class RewardInput:
+    """One sample to score. Built from a rollout Batch by ``easyvlm.rewards.actor.build_reward_inputs``.
+
+    response: decoded response text (special tokens skipped by default).
+    response_length: response tokens, EOS included (``response_mask.sum()``).
+    ground_truth: the row's answer column as the dataset holds it (usually a str).
+    prompt: the prompt text the model saw (chat template applied).
+    images: the sample's PIL images, as the model saw them (already resized).
+    original_image_sizes: (width, height) of each image before resizing, same order as ``images``;
+        None when the data pipeline did not record them.
+    extra: the row's other columns, by name.
+    """
+
+    response: str
+    response_length: int
+    ground_truth: Any
+    prompt: str = ""
+    images: list = field(default_factory=list)
+    original_image_sizes: list[tuple[int, int]] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict a reward function gets: the standard keys, plus each extra column by name."""
+        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS}
+        out.update(
+            response=self.response,
+            response_length=self.response_length,
+            ground_truth=self.ground_truth,
+            prompt=self.prompt,
+            images=list(self.images),
+            original_image_sizes=None if self.original_image_sizes is None else list(self.original_image_sizes),
+            extra=dict(self.extra),
+        )
+        return out
+
+
+@dataclass
+class RewardResult:
+    """Scores of a batch of B samples.
+
+    scores: "overall" plus every sub-score, each a list of B floats. With several reward functions,
+        the sub-scores are named "<REWARD_NAME>/<key>" and "overall" is their weighted sum.
+    metrics: "reward/<key>" (mean over the batch) for every key of ``scores``, and
+        "reward/error_count": scores set to 0 because the call failed (on_error=zero), counted per
+        sample and per reward function.
+    errors: the messages of those failures (empty with on_error=raise: a failure raises instead).
+    """
+
+    scores: dict[str, list[float]]
+    metrics: dict[str, float]
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def overall(self) -> list[float]:
+        """(B,) the reward each sample trains on."""
+        return self.scores["overall"]
+
+
+class RewardError(RuntimeError):
+    """A reward function that cannot be loaded or that failed on a sample.
+
+    The message names the file, the function, the sample index (when there is one) and the problem.
+    """
+
+    def __init__(self, message: str, spec: str | None = None, sample_index: int | None = None):
+        super().__init__(message)
+        self.spec = spec
+        self.sample_index = sample_index
+
+    def __reduce__(self):  # keep the fields when Ray pickles the error back to the driver
+        return (type(self), (str(self), self.spec, self.sample_index))

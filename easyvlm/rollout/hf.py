@@ -1,0 +1,169 @@
+"""The transformers ``generate`` rollout engine: a fallback and the reference vLLM is compared with.
+
+Takes the processor outputs of the prompt Batch (``input_ids`` left padded, ``attention_mask``,
+``multi_modal_inputs``), so it sees exactly the tokens the actor trains on. The model's own
+``generation_config.json`` is ignored (Qwen2.5-VL-Instruct's sets top_k=1 and
+repetition_penalty=1.05): sampling comes only from easyvlm's config. Blocked tokens are removed
+with ``suppress_tokens``; ``rollout_logprobs`` are taken from the processed scores (after
+suppression, temperature, top-k, top-p), as vLLM's ``processed_logprobs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+from easyvlm.data.batch import Batch
+from easyvlm.rollout.base import RolloutEngine, Sampling
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def load_generation_model(model_path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """The model for generation: an image-text-to-text class when transformers maps one, else causal LM."""
+    config = AutoConfig.from_pretrained(model_path)
+    auto = AutoModelForImageTextToText if type(config) in AutoModelForImageTextToText._model_mapping else AutoModelForCausalLM
+    return auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
+
+
+def collate_multi_modal_inputs(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Concatenate the processor outputs of several samples along dim 0 (pixel rows, grid rows).
+
+    Samples without images have an empty dict; the model matches image features to the image
+    tokens of input_ids in order, so concatenation in row order is what the processor would return.
+    Per-token entries (``mm_token_type_ids``) are left out: they are rebuilt for the padded batch.
+    """
+    keys = sorted({k for sample in per_sample for k in sample} - {"mm_token_type_ids"})
+    return {k: torch.cat([sample[k] for sample in per_sample if k in sample], dim=0) for k in keys}
+
+
+def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
+    """(B, L) int64 -> (B, L) int32: 0 text, 1 image token, 2 video token.
+
+    transformers 5.19's Qwen2/2.5-VL build mRoPE position ids inside ``generate`` only when given
+    these; without them the vision tokens silently get 1-D text positions.
+    """
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    for value, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token_id = getattr(model_config, name, None)
+        if token_id is not None:
+            types[input_ids == token_id] = value
+    return types
+
+
+class HFRolloutEngine(RolloutEngine):
+    """transformers ``generate`` behind the RolloutEngine interface.
+
+    model_path: a local model directory (or pass ``model``, e.g. a copy of the actor's module).
+    dtype: ``worker.rollout.dtype``; float32 on the CPU whatever it says. micro_batch_size: rows
+    per ``generate`` call (``worker.rollout.max_num_seqs``). seed: the engine's own RNG stream,
+    kept apart from the process's global torch RNG.
+    """
+
+    def __init__(
+        self,
+        model_path: str | None,
+        sampling: Sampling,
+        response_length: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        blocked_token_ids: Sequence[int],
+        dtype: str = "fp32",
+        device: str = "cpu",
+        seed: int = 1,
+        micro_batch_size: int | None = None,
+        model: torch.nn.Module | None = None,
+    ):
+        super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
+        if (model is None) == (model_path is None):
+            raise ValueError("HFRolloutEngine needs exactly one of model_path and model")
+        self.device = device
+        torch_dtype = torch.float32 if device == "cpu" else DTYPES.get(dtype, torch.float32)
+        self.model = model if model is not None else load_generation_model(model_path, torch_dtype, device)
+        # Neutral defaults: generate() fills every unset field from model.generation_config.
+        self.model.generation_config = GenerationConfig()
+        self.micro_batch_size = micro_batch_size
+        generator = torch.Generator().manual_seed(seed)
+        self._rng_state = generator.get_state()
+
+    def _generation_config(self, sampling: Sampling) -> GenerationConfig:
+        sample = {}
+        if not sampling.greedy:
+            sample = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+        return GenerationConfig(
+            do_sample=not sampling.greedy,
+            **sample,
+            max_new_tokens=sampling.max_tokens,
+            eos_token_id=None if sampling.ignore_eos else self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            suppress_tokens=self.blocked_token_ids or None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+        size = self.micro_batch_size or len(prompts)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        # Sample from the engine's RNG stream without disturbing the caller's (e.g. the actor's).
+        with torch.random.fork_rng(devices=[] if self.device == "cpu" else [self.device]):
+            torch.random.set_rng_state(self._rng_state)
+            for chunk in prompts.split(size):
+                ids, lps = self._generate(chunk, sampling)
+                responses += ids
+                logprobs += lps
+            self._rng_state = torch.random.get_rng_state()
+        return responses, logprobs
+
+    def _generate(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+        input_ids = prompts["input_ids"].to(self.device)
+        mm = collate_multi_modal_inputs(prompts.get("multi_modal_inputs") or [{} for _ in range(len(prompts))])
+        if mm:
+            pass
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=prompts["attention_mask"].to(self.device).long(),
+            **{k: v.to(self.device) for k, v in mm.items()},
+            generation_config=self._generation_config(sampling),
+        )
+        generated = out.sequences[:, input_ids.shape[1] :].cpu()  # (B, L)
+        scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, L, V), processed
+        token_logprobs = scores.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, L)
+        responses, logprobs = [], []
+        for row, row_logprobs in zip(generated, token_logprobs):
+            length = row.numel()
+            if not sampling.ignore_eos:
+                # generate() pads finished rows (with an id that may itself be an EOS): cut at the first EOS.
+                eos = torch.isin(row, torch.tensor(self.eos_token_ids)).nonzero()
+                if eos.numel():
+                    length = int(eos[0]) + 1
+            responses.append(row[:length].tolist())
+            logprobs.append(row_logprobs[:length].tolist())
+        return responses, logprobs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy the given tensors into the model; names must be keys of ``model.state_dict()``.
+
+        A subset is fine (e.g. only trained parameters); an unknown name is an error, so that a
+        naming mismatch cannot leave the old weights in place silently.
+        """
+        state = dict(named_tensors)
+        result = self.model.load_state_dict(state, strict=False)
+        if result.unexpected_keys:
+            raise KeyError(
+                f"update_weights: {len(result.unexpected_keys)} names are not parameters of the rollout model, e.g. "
+                f"{result.unexpected_keys[:3]}; send the names of the transformers model's in-memory state_dict()"
+            )
+
+    def sleep(self) -> None:
+        if self.device != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        if self.device != "cpu":
+            self.model.to(self.device)

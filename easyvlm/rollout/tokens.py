@@ -1,0 +1,68 @@
+"""Which token ids a rollout may never emit, and which ones end a response.
+
+Both engines (vLLM and transformers) and the actor's log-prob recomputation read these, so that the
+sampler and the policy being trained agree on the vocabulary. Ids are always read from the
+tokenizer and the model config, never hard-coded: the built-in tiny models use other ids than Qwen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Vision placeholders of the Qwen-VL family. A response that contains one would break the next
+# forward pass (the processor expands each placeholder into image features), so they are blocked.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+VISION_TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def model_vocab_size(model_config: Any) -> int:
+    """The number of rows of the LM head (V): the text config's ``vocab_size``."""
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return int(text_config.vocab_size)
+
+
+def blocked_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
+    """Sorted ids that sampling must never produce.
+
+    - the vision placeholders, from the model config (``image_token_id`` ...) and the tokenizer;
+    - the ids of a padded LM head that the tokenizer cannot decode (``len(tokenizer) .. V-1``):
+      Qwen2.5-VL has V = 152064 rows for 151665 tokens, and a random model samples them.
+    """
+    blocked: set[int] = set()
+    for name in VISION_TOKEN_ID_FIELDS:
+        token_id = getattr(model_config, name, None)
+        if token_id is not None:
+            blocked.add(int(token_id))
+    unk = getattr(tokenizer, "unk_token_id", None)
+    vocab = tokenizer.get_vocab()
+    blocked.update(vocab[token] for token in VISION_TOKENS if token in vocab and vocab[token] != unk)
+    blocked.update(range(len(tokenizer), model_vocab_size(model_config)))
+    return sorted(blocked)
+
+
+def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """Sorted ids that end a response: the tokenizer's EOS plus the generation config's.
+
+    Qwen2.5-VL-Instruct stops on ``<|im_end|>`` (the tokenizer's EOS) and ``<|endoftext|>`` (listed
+    in generation_config.json). Raises ValueError when neither names one.
+    """
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    extra = getattr(generation_config, "eos_token_id", None)
+    if extra is not None:
+        ids.update(int(i) for i in ([extra] if isinstance(extra, int) else extra))
+    if not ids:
+        raise ValueError(
+            "no EOS token: the tokenizer has no eos_token and the model's generation_config.json lists no "
+            "eos_token_id; set one of them in the model directory so that responses can end"
+        )
+    return sorted(ids)
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The tokenizer's pad id, else its EOS id (the id that fills responses after they end)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad_token nor an eos_token; set pad_token in the model directory")
+    return int(pad)

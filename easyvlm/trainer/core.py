@@ -1,0 +1,58 @@
+"""Pure functions the driver loop uses between worker calls (no Ray, no models, no config objects).
+
+- group ids from prompt uids, sequence rewards placed on the last response token;
+- DAPO's online filtering (dynamic sampling): which prompt groups carry a learning signal.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def group_ids_from_uids(uids: Sequence[Hashable]) -> Tensor:
+    """(B,) int64: equal uids (samples of one prompt) get equal ids, numbered by first appearance."""
+    index: dict[Hashable, int] = {}
+    return torch.tensor([index.setdefault(uid, len(index)) for uid in uids], dtype=torch.long)
+
+
+def place_seq_rewards(seq_rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """token_rewards (B, T): each sequence reward at its last valid response token, 0 elsewhere.
+
+    seq_rewards: (B,) float. response_mask: (B, T) bool. An empty response (no valid token) has
+    nowhere to put its reward; it gets none (such rows have no token in the loss anyway).
+    """
+    B, T = response_mask.shape
+    lengths = response_mask.long().sum(-1)  # (B,)
+    token_rewards = torch.zeros(B, T, dtype=torch.float32)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    # the last True position: masks are contiguous from 0, so it is lengths - 1
+    token_rewards[rows, lengths[rows] - 1] = seq_rewards[rows].float()
+    return token_rewards
+
+
+def groups_in_range(uids: Sequence[Hashable], values: Sequence[float], low: float, high: float) -> list[Hashable]:
+    """Prompt uids whose group mean of ``values`` lies strictly inside (low, high), in order.
+
+    DAPO (arXiv:2503.14476, sec. 3.2, dynamic sampling): a group whose samples all score the same
+    (all right or all wrong) has zero advantage under group normalisation and teaches nothing.
+    """
+    sums: dict[Hashable, float] = {}
+    counts: dict[Hashable, int] = {}
+    for uid, value in zip(uids, values):
+        sums[uid] = sums.get(uid, 0.0) + float(value)
+        counts[uid] = counts.get(uid, 0) + 1
+    return [uid for uid in sums if low < sums[uid] / counts[uid] < high]
+
+
+def rows_of_groups(uids: Sequence[Hashable], keep: Sequence[Hashable]) -> list[int]:
+    """Row indices of the samples whose uid is in ``keep``, in row order."""
+    wanted = set(keep)
+    return [i for i, uid in enumerate(uids) if uid in wanted]
+
+
+def count_tokens(attention_mask: Tensor) -> int:
+    """Unpadded tokens (prompt + response) in a batch: the throughput numerator."""
+    return int(attention_mask.bool().sum())

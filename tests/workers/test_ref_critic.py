@@ -1,0 +1,91 @@
+"""RefWorker (frozen policy) and CriticWorker (value model) on one process, against independent
+transformers computations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, make_rl_batch, reference_logprobs
+
+from easyvlm.algorithms.value_loss import value_loss
+from easyvlm.config.schema import CriticConfig, LoraConfig, ModelConfig, OptimConfig, RefConfig
+from easyvlm.workers.critic import CriticWorker
+from easyvlm.workers.fsdp import gather_full_state_dict
+from easyvlm.workers.ref import RefWorker
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_path):
+    return make_rl_batch(tiny_model_path, PROMPTS[2:6], RESPONSE_LENGTHS[2:6], seed=1)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_ref_logprobs_match_transformers(process_group, tiny_model_path, batch, padding_free):
+    from transformers import AutoModelForImageTextToText
+
+    # LoRA on the actor: the reference is the base model without adapters
+    actor = actor_config(tiny_model_path, padding_free=padding_free, lora=LoraConfig(rank=4))
+    ref = RefWorker(RefConfig(), actor, rank=0, world_size=1, temperature=0.5)
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    out = ref.compute_ref_logprobs(batch)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
+    expected, _ = reference_logprobs(model, batch, 0.5)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(out["ref_logprobs"][mask], expected[mask])
+    assert out.keys() == ["ref_logprobs"]
+
+
+def critic_config(model_path: str, **overrides) -> CriticConfig:
+    defaults = dict(global_batch_size=4, micro_batch_size_per_device_for_update=1,
+                    micro_batch_size_per_device_for_experience=2, dynamic_batching=False, cliprange_value=0.2)
+    defaults.update(overrides)
+    return CriticConfig(model=ModelConfig(model_path=model_path, enable_gradient_checkpointing=False),
+                        optim=OptimConfig(lr=1e-3), **defaults)
+
+
+def reference_values(model_dir: str, head: dict[str, torch.Tensor], batch) -> torch.Tensor:
+    """(B, T): the backbone's last hidden state at position p_b - 1 + t of each unpadded sample,
+    through the value head; 0 where response_mask is False."""
+    from transformers import AutoModel
+
+    from easyvlm.data.collate import concat_multi_modal_inputs
+
+    backbone = AutoModel.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    B, T = batch["responses"].shape
+    P = batch["input_ids"].shape[1] - T
+    values = torch.zeros(B, T)
+    for b in range(B):
+        keep = batch["attention_mask"][b].bool()
+        mm = concat_multi_modal_inputs([batch["multi_modal_inputs"][b]])
+        with torch.no_grad():
+            hidden = backbone(input_ids=batch["input_ids"][b][keep][None],
+                              position_ids=batch["position_ids"][b][1:, keep][:, None], **mm).last_hidden_state[0]
+        p_b = int(batch["attention_mask"][b, :P].sum())
+        for t in range(T):
+            if batch["response_mask"][b, t]:
+                values[b, t] = hidden[p_b - 1 + t] @ head["score.weight"][0] + head["score.bias"][0]
+    return values
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_critic_values_and_update(process_group, tiny_model_path, batch, padding_free):
+    critic = CriticWorker(critic_config(tiny_model_path, padding_free=padding_free), rank=0, world_size=1, total_steps=5)
+    head = {k: v for k, v in gather_full_state_dict(critic.model).items() if k.startswith("score.")}
+    values = critic.compute_values(batch)["values"]
+    expected = reference_values(tiny_model_path, head, batch)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(values[mask], expected[mask])
+    assert torch.all(values[~mask] == 0)
+
+    data = batch.copy()
+    data["values"] = values
+    data["returns"] = torch.where(mask, values + 1.0, 0.0)  # every value 1 too low: clipped at 0.2
+    metrics = critic.update_critic(data)
+    # one mini-batch of 4 samples in 4 micro-batches: the metric is the mini-batch loss at the
+    # initial weights, 0.5 * max((v - R)^2, (v_clip - R)^2) = 0.5 * max(1, 0.64) = 0.5 per token
+    loss, _ = value_loss(values, values, data["returns"], mask, 0.2)
+    assert metrics["critic/vf_loss"] == pytest.approx(loss.item(), rel=1e-5) == pytest.approx(0.5, rel=1e-5)
+    assert metrics["critic/vf_clipfrac"] == 0.0 and metrics["critic/lr"] == 1e-3
+    assert metrics["critic/skipped_steps"] == 0 and metrics["critic/grad_norm"] > 0
+    moved = critic.compute_values(batch)["values"]
+    assert (moved - values)[mask].mean() > 0  # values moved towards the returns

@@ -1,0 +1,213 @@
+"""Test batches: real prompts from the tiny model's processor (with and without images), random
+responses of given lengths, laid out as the trainer lays them out (prompt left padded, response
+right padded, position ids extended over the response)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+from easyvlm.data.batch import Batch
+from easyvlm.data.collate import left_pad
+from easyvlm.models.position_ids import extend_position_ids, get_position_ids
+
+
+def make_rl_batch(
+    model_dir: str,
+    prompts: list[tuple[str, tuple[int, int] | None]],
+    response_lengths: list[int],
+    seed: int = 0,
+) -> Batch:
+    """prompts: (question, image (width, height) or None) per sample; response_lengths: tokens per sample.
+
+    Returns tensors input_ids, attention_mask (B, P+T), position_ids (B, 4, P+T), responses,
+    response_mask (B, T), and objects multi_modal_inputs.
+    """
+    from transformers import AutoConfig, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = processor.tokenizer
+    rng = np.random.default_rng(seed)
+    ids, positions, mm_inputs = [], [], []
+    for question, size in prompts:
+        content = ([{"type": "image"}] if size else []) + [{"type": "text", "text": question}]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        images = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))] if size else None
+        enc = processor(text=[text], images=images, return_tensors="pt")
+        grid = enc.get("image_grid_thw")
+        pos = get_position_ids(enc["input_ids"], enc["attention_mask"], grid, model_config=hf_config)
+        ids.append(enc["input_ids"][0])
+        positions.append(pos[0])
+        mm_inputs.append({"pixel_values": enc["pixel_values"], "image_grid_thw": grid} if size else {})
+    pad = tokenizer.pad_token_id
+    prompt_ids = left_pad(ids, pad)  # (B, P)
+    P = prompt_ids.shape[1]
+    prompt_mask = torch.arange(P)[None, :] >= torch.tensor([P - len(x) for x in ids])[:, None]
+    prompt_pos = left_pad(positions, 0)
+    T = max(response_lengths)
+    gen = torch.Generator().manual_seed(seed)
+    responses = torch.randint(0, 256, (len(prompts), T), generator=gen)
+    response_mask = torch.arange(T)[None, :] < torch.tensor(response_lengths)[:, None]  # (B, T)
+    responses = responses.masked_fill(~response_mask, pad)
+    return Batch(
+        tensors={
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "position_ids": extend_position_ids(prompt_pos, T),
+            "responses": responses,
+            "response_mask": response_mask,
+        },
+        objects={"multi_modal_inputs": mm_inputs},
+    )
+
+
+# Prompts of the test batches: (question, image (width, height) or None). Images of two sizes,
+# text-only prompts, ragged prompt and response lengths.
+PROMPTS = [
+    ("what is it?", (56, 56)),
+    ("count the dots, please", (84, 56)),
+    ("hi", None),
+    ("a longer text-only question", None),
+    ("x", (56, 84)),
+    ("colour?", None),
+    ("how many?", (56, 56)),
+    ("why", None),
+]
+RESPONSE_LENGTHS = [5, 9, 3, 7, 1, 8, 4, 6]
+
+
+def actor_config(model_path: str, **overrides):
+    """A small ActorConfig for tests: fixed micro-batches, no gradient checkpointing, lr 1e-3."""
+    from easyvlm.config.schema import ActorConfig, ModelConfig, OptimConfig
+
+    model = ModelConfig(
+        model_path=model_path,
+        enable_gradient_checkpointing=overrides.pop("enable_gradient_checkpointing", False),
+        freeze_vision_tower=overrides.pop("freeze_vision_tower", False),
+        **({"lora": overrides.pop("lora")} if "lora" in overrides else {}),
+    )
+    optim = OptimConfig(lr=overrides.pop("lr", 1e-3), **overrides.pop("optim", {}))
+    defaults = dict(
+        global_batch_size=4,
+        micro_batch_size_per_device_for_update=2,
+        micro_batch_size_per_device_for_experience=2,
+        dynamic_batching=False,
+        padding_free=True,
+        max_grad_norm=1.0,
+    )
+    defaults.update(overrides)
+    return ActorConfig(model=model, optim=optim, **defaults)
+
+
+def reference_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Independent (B, T) log-probs and entropies: one unpadded transformers forward per sample.
+
+    Response token t of sample b is predicted by the logits at position p_b - 1 + t of the
+    unpadded sequence (p_b = its prompt tokens). 0 where response_mask is False.
+    """
+    from easyvlm.data.collate import concat_multi_modal_inputs
+
+    B, T = batch["responses"].shape
+    P = batch["input_ids"].shape[1] - T
+    logprobs = torch.zeros(B, T)
+    entropies = torch.zeros(B, T)
+    for b in range(B):
+        keep = batch["attention_mask"][b].bool()
+        ids = batch["input_ids"][b][keep].unsqueeze(0)
+        pos = batch["position_ids"][b][..., keep]  # (4, n): rows 1..3 are the mRoPE rows
+        mm = concat_multi_modal_inputs([batch["multi_modal_inputs"][b]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=pos[1:].unsqueeze(1), **mm).logits[0] / temperature
+        logp = torch.log_softmax(logits.double(), -1)
+        p_b = int(batch["attention_mask"][b, :P].sum())
+        for t in range(T):
+            if batch["response_mask"][b, t]:
+                logprobs[b, t] = logp[p_b - 1 + t, batch["responses"][b, t]]
+                entropies[b, t] = -(logp[p_b - 1 + t].exp() * logp[p_b - 1 + t]).sum()
+    return logprobs, entropies
+
+
+# ------------------------------------------------------------------------------------------------
+# Two-rank runs (FSDP over 2 gloo processes vs 1 process)
+
+TWO_RANK_ACTOR = dict(
+    global_batch_size=4,  # 2 mini-batches of 4 samples: 2 per rank on 2 ranks
+    micro_batch_size_per_device_for_update=4,
+    micro_batch_size_per_device_for_experience=4,
+    dynamic_batching=True,
+    # attended lengths are [41 58 24 53 | 29 34 38 28]: rank 0 cuts more micro-batches than rank 1,
+    # so rank 1 runs dummy forward/backward passes to match FSDP's collectives
+    max_token_len_per_device=70,
+    enable_gradient_checkpointing=True,
+    max_grad_norm=0.5,
+    lr=1e-3,
+)
+ONE_RANK_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]  # the mini-batches of 1 rank = those of 2 ranks, joined
+
+
+def training_keys(batch: Batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old_logprobs noise, advantages) for the whole batch, fixed by ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = batch["responses"].shape
+    mask = batch["response_mask"]
+    noise = torch.where(mask, 0.3 * torch.randn(shape, generator=gen), 0.0)
+    advantages = torch.where(mask, torch.randn(shape, generator=gen), 0.0)
+    return noise, advantages
+
+
+def run_actor_and_critic(model_path: str, batch: Batch, noise: torch.Tensor, advantages: torch.Tensor, rank: int, world_size: int):
+    """compute_logprobs, update_policy, compute_values, update_critic on this rank's ``batch``;
+    returns what the comparison needs (weights gathered to every rank)."""
+    from easyvlm.config.schema import CriticConfig, ModelConfig, OptimConfig
+    from easyvlm.workers.actor import ActorWorker
+    from easyvlm.workers.critic import CriticWorker
+
+    actor = ActorWorker(actor_config(model_path, **dict(TWO_RANK_ACTOR)), rank=rank, world_size=world_size,
+                        total_steps=3, temperature=0.8)
+    logprobs = actor.compute_logprobs(batch)["old_logprobs"]
+    data = batch.copy()
+    data["old_logprobs"] = logprobs + noise
+    data["advantages"] = advantages
+    actor_metrics = actor.update_policy(data)
+    actor_weights = actor.state_dict_for_sync()
+
+    critic_cfg = CriticConfig(
+        model=ModelConfig(model_path=model_path, enable_gradient_checkpointing=False), optim=OptimConfig(lr=1e-3),
+        global_batch_size=4, micro_batch_size_per_device_for_update=1, dynamic_batching=False,
+    )
+    critic = CriticWorker(critic_cfg, rank=rank, world_size=world_size, total_steps=3)
+    values = critic.compute_values(batch)["values"]
+    data["values"] = values
+    data["returns"] = values + advantages
+    critic_metrics = critic.update_critic(data)
+    from easyvlm.workers.fsdp import gather_full_state_dict
+
+    return dict(logprobs=logprobs, values=values, actor_metrics=actor_metrics, critic_metrics=critic_metrics,
+                actor_weights=actor_weights, critic_weights=gather_full_state_dict(critic.model))
+
+
+def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_file: str) -> None:
+    """Entry point of each spawned rank: run on rows [4 r, 4 r + 4) and save rank 0's view."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from easyvlm.workers.dist import init_distributed
+
+    init_distributed("gloo")
+    full = make_rl_batch(model_path, PROMPTS, RESPONSE_LENGTHS)
+    noise, advantages = training_keys(full)
+    rows = slice(4 * rank, 4 * rank + 4)
+    out = run_actor_and_critic(model_path, full.index(rows), noise[rows], advantages[rows], rank, world_size)
+    per_rank = [None] * world_size
+    dist.all_gather_object(per_rank, {"logprobs": out["logprobs"], "values": out["values"]})
+    if rank == 0:
+        out["logprobs"] = torch.cat([r["logprobs"] for r in per_rank])
+        out["values"] = torch.cat([r["values"] for r in per_rank])
+        torch.save(out, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
