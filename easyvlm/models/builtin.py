@@ -127,7 +127,9 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def _known_models_hint() -> str:
-    names = ", ".join(f"{BUILTIN_PREFIX}{name}" for name in BUILTIN_MODELS)
+    from easyvlm.models.warm_start import WARM_STARTS
+
+    names = ", ".join(f"{BUILTIN_PREFIX}{name}" for name in (*BUILTIN_MODELS, *WARM_STARTS))
     return f"built-in models: {names}"
 
 
@@ -139,6 +141,10 @@ def get_builtin_spec(name: str) -> BuiltinModelSpec:
 
 def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where ``materialize_model(name)`` puts its build (whether or not it exists yet)."""
+    from easyvlm.models.warm_start import WARM_STARTS, warm_start_key
+
+    if name in WARM_STARTS:  # the key changes with the recipe, so a changed recipe rebuilds
+        return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{warm_start_key(WARM_STARTS[name])}"
     get_builtin_spec(name)
     return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}"
 
@@ -148,6 +154,12 @@ def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLik
 
     ``cache_dir`` overrides ``$EASYVLM_CACHE`` (default ``~/.cache/easyvlm``).
     """
+    from easyvlm.models.warm_start import WARM_STARTS, build_warm_start
+
+    if name in WARM_STARTS:  # a builtin model after a supervised warm start (built from the base)
+        warm = WARM_STARTS[name]
+        materialize_model(warm.base, cache_dir)
+        return build_once(model_cache_dir(name, cache_dir), lambda out: build_warm_start(warm, out))
     spec = get_builtin_spec(name)
     return build_once(model_cache_dir(name, cache_dir), lambda out: build_model(spec, out, name=name))
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
+from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,21 @@ def is_vision_language_config(hf_config: Any) -> bool:
     return hf_config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
+def available_attn_implementation(requested: str) -> str:
+    """``requested``, or "sdpa" (with a warning) when flash attention is asked for without a CUDA
+    device or without the flash-attn package: the same config then runs on a CPU for testing."""
+    if not requested.startswith("flash_attention"):
+        return requested
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    installed = is_flash_attn_3_available() if requested == "flash_attention_3" else is_flash_attn_2_available()
+    if torch.cuda.is_available() and installed:
+        return requested
+    reason = "no CUDA device" if not torch.cuda.is_available() else "the flash-attn package is not installed"
+    logger.warning("model.attn_implementation=%r but %s; using 'sdpa'", requested, reason)
+    return "sdpa"
+
+
 def attn_implementation_for(hf_config: Any, requested: str, padding_free: bool) -> str | dict[str, str]:
     """What to pass as ``attn_implementation``: the requested one, with the text decoder switched
     to ``VARLEN_ATTENTION`` for padding-free runs (the vision tower keeps the requested one)."""
@@ -121,12 +137,12 @@ def load_model(
     trust_remote_code = bool(_field(model_config, "trust_remote_code", False))
     hf_config = load_hf_config(model_dir, _field(model_config, "override_config"), trust_remote_code)
     vision_language = is_vision_language_config(hf_config)
-    requested = _field(model_config, "attn_implementation") or "sdpa"
-    if requested.startswith("flash_attention") and not torch.cuda.is_available():
-        raise ValueError(
-            f"model.attn_implementation={requested!r} needs a CUDA GPU with flash-attn installed; "
-            "use 'sdpa' on the CPU"
+    if vision_language and hf_config.model_type not in MROPE_MODEL_TYPES:
+        raise NotImplementedError(
+            f"{model_dir}: vision-language model_type {hf_config.model_type!r} is not supported; "
+            f"supported: {sorted(MROPE_MODEL_TYPES)} and text-only causal LMs"
         )
+    requested = available_attn_implementation(_field(model_config, "attn_implementation") or "sdpa")
     kwargs = dict(
         config=hf_config,
         dtype=dtype,

@@ -43,7 +43,8 @@ ON_ERROR = ("raise", "zero")
 class RewardSettings:
     """What a RewardManager needs; built from the config in the driver, shipped to the reward actor.
 
-    functions: the reward functions (absolute paths); with several, ``overall`` is their weighted sum.
+    functions: the reward functions; with several, ``overall`` is their weighted sum. Relative paths
+        are resolved against the working directory when the settings are made.
     timeout: seconds one call may take (a batch call, or one sample of a sequential function);
         None = no limit.
     on_error: "raise" stops with the error; "zero" scores the failing sample 0 and counts it.
@@ -58,6 +59,7 @@ class RewardSettings:
     def __post_init__(self) -> None:
         if not self.functions:
             raise ValueError("no reward function: set worker.reward.reward_function=path/to/file.py:func")
+        object.__setattr__(self, "functions", tuple(s.resolved() for s in self.functions))
         if self.on_error not in ON_ERROR:
             raise ValueError(f"worker.reward.on_error is {self.on_error!r}; use one of {list(ON_ERROR)}")
         if self.timeout is not None and not self.timeout > 0:
@@ -83,7 +85,7 @@ class RewardSettings:
             specs = [RewardFunctionSpec(cfg.reward_function, dict(cfg.reward_function_kwargs), 1.0, cfg.reward_type)]
         else:
             raise RewardError("worker.reward.reward_function is unset: give path/to/file.py:func")
-        return cls(tuple(s.resolved() for s in specs), cfg.timeout, cfg.on_error, cfg.num_workers)
+        return cls(tuple(specs), cfg.timeout, cfg.on_error, cfg.num_workers)
 
 
 @dataclass
@@ -269,7 +271,8 @@ def _stop_workers(workers: list[ServingProcess]) -> None:
 
 # ---------------------------------------------------------------------- in the worker process
 def _setup_worker(specs: list[RewardFunctionSpec]) -> dict[str, LoadedReward]:
-    return {s.reward_function: load_reward_function(s) for s in specs}
+    loaded = [load_reward_function(s) for s in specs]
+    return {reward.spec: reward for reward in loaded}
 
 
 def _handle_request(loaded: dict[str, LoadedReward], request: tuple[str, str, Any]) -> tuple[str, Any]:

@@ -114,8 +114,12 @@ class ServingProcess:
             return "died", code
 
     def call(self, request: Any, timeout: float | None) -> tuple[str, Any]:
+        """Start the child if needed, send ``request``, wait at most ``timeout`` s (None: forever)."""
         self.start()
-        self.send(request)
+        try:
+            self.send(request)
+        except OSError:  # the child died while idle
+            return self.receive()
         if not self.conn.poll(timeout):
             self.kill()
             return "timeout", None

@@ -59,8 +59,8 @@ class HFRolloutEngine(RolloutEngine):
 
     model_path: a local model directory (or pass ``model``, e.g. a copy of the actor's module).
     dtype: ``worker.rollout.dtype``; float32 on the CPU whatever it says. micro_batch_size: rows
-    per ``generate`` call (``worker.rollout.max_num_seqs``). seed: the engine's own RNG stream,
-    kept apart from the process's global torch RNG.
+    per ``generate`` call (``worker.rollout.max_num_seqs``). seed: on the CPU, the engine's own RNG
+    stream, kept apart from the process's global torch RNG; on GPUs sampling uses the device's RNG.
     """
 
     def __init__(
@@ -106,24 +106,29 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
-        size = self.micro_batch_size or len(prompts)
+        if self.device != "cpu":  # GPUs: the device's global RNG (seeded by the trainer)
+            return self._sample_chunks(prompts, sampling)
+        # Sample from the engine's RNG stream without disturbing the caller's (e.g. the actor's).
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(self._rng_state)
+            out = self._sample_chunks(prompts, sampling)
+            self._rng_state = torch.random.get_rng_state()
+        return out
+
+    def _sample_chunks(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
-        # Sample from the engine's RNG stream without disturbing the caller's (e.g. the actor's).
-        with torch.random.fork_rng(devices=[] if self.device == "cpu" else [self.device]):
-            torch.random.set_rng_state(self._rng_state)
-            for chunk in prompts.split(size):
-                ids, lps = self._generate(chunk, sampling)
-                responses += ids
-                logprobs += lps
-            self._rng_state = torch.random.get_rng_state()
+        for chunk in prompts.split(self.micro_batch_size or len(prompts)):
+            ids, lps = self._generate(chunk, sampling)
+            responses += ids
+            logprobs += lps
         return responses, logprobs
 
     def _generate(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
         input_ids = prompts["input_ids"].to(self.device)
         mm = collate_multi_modal_inputs(prompts.get("multi_modal_inputs") or [{} for _ in range(len(prompts))])
         if mm:
-            pass
+            mm["mm_token_type_ids"] = mm_token_type_ids(input_ids, self.model.config)
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=prompts["attention_mask"].to(self.device).long(),

@@ -252,6 +252,8 @@ def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:
         if engine_ids != expected:
             raise ValueError(
                 f"prompt row {i}: vLLM expanded raw_prompt_ids into {len(engine_ids)} tokens, but the batch's "
-                f"input_ids hold {len(expected)}; raw_prompt_ids must be input_ids with one vision placeholder "
-                f"per image (not expanded), and the images must be the ones the processor saw (same size)"
+                f"input_ids hold {len(expected)}. raw_prompt_ids must be input_ids with one vision placeholder "
+                f"per image (not expanded), and vLLM's processor must keep the images' size: build the engine "
+                f"with mm_processor_kwargs=easyvlm.data.images.vllm_mm_processor_kwargs(data.min_pixels, "
+                f"data.max_pixels)"
             )

@@ -31,15 +31,9 @@ from easyvlm.algorithms.aggregation import aggregate_loss, loss_normalizer
 from easyvlm.algorithms.kl import kl_loss
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.data.batch import Batch
-from easyvlm.models.loading import is_vision_language_config, load_model, load_tokenizer_and_processor
+from easyvlm.models.loading import is_vision_language_config, load_model, load_tokenizer_and_processor, resolve_paths
 from easyvlm.workers.dist import worker_device
-from easyvlm.algorithms.entropy import entropy_from_logits
-from easyvlm.workers.forward import (
-    logprobs_from_logits,
-    micro_batches,
-    response_outputs,
-    scatter_response,
-)
+from easyvlm.workers.forward import dummy_image_for, micro_batches, policy_logprobs, policy_logprobs_for_batch
 from easyvlm.workers.fsdp import (
     apply_fsdp,
     gather_full_state_dict,
@@ -47,92 +41,25 @@ from easyvlm.workers.fsdp import (
     load_optimizer_to,
     offload_model,
     offload_optimizer,
-    parse_dtype,
 )
 from easyvlm.workers.optim import build_optimizer, build_scheduler, step_scheduler
 from easyvlm.workers.training import (
     all_reduce_sums,
-    check_no_videos,
+    check_same_batch_size,
+    check_supported,
+    check_worker_group,
     clip_and_step,
-    dummy_image_for,
     equalize_micro_batches,
-    has_images,
     load_sharded_checkpoint,
+    model_dtype,
+    per_rank_batch_size,
     save_sharded_checkpoint,
     token_budget,
-    with_dummy_image,
 )
 
 logger = logging.getLogger(__name__)
 
 UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_logprobs", "advantages")
-
-
-def check_worker_group(rank: int, world_size: int) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "workers need torch.distributed initialised (one process per device); call "
-            "easyvlm.workers.dist.init_distributed() before building a worker"
-        )
-    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
-        raise ValueError(
-            f"worker built with rank={rank}, world_size={world_size} but the process group has "
-            f"rank={dist.get_rank()}, world_size={dist.get_world_size()}"
-        )
-
-
-def model_dtype(fsdp_config: Any, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
-    """Parameter dtype: float32 on the CPU; on GPUs ``fsdp.torch_dtype`` or ``gpu_default``."""
-    if device.type != "cuda":
-        return torch.float32
-    return parse_dtype(getattr(fsdp_config, "torch_dtype", None), gpu_default, "fsdp.torch_dtype")
-
-
-def per_rank_batch_size(global_batch_size: int, rollout_n: int, world_size: int, key: str) -> int:
-    samples = global_batch_size * rollout_n
-    if samples % world_size:
-        raise ValueError(
-            f"{key}={global_batch_size} prompts x rollout.n={rollout_n} = {samples} samples cannot be split "
-            f"evenly over {world_size} ranks; choose a multiple of {world_size // np.gcd(world_size, rollout_n)}"
-        )
-    return samples // world_size
-
-
-class ModelRunner:
-    """A sharded model plus the forward logic the actor and the reference share."""
-
-    def __init__(self, model: torch.nn.Module, hf_config: Any, *, padding_free: bool, device: torch.device):
-        self.model = model
-        self.hf_config = hf_config
-        self.padding_free = padding_free
-        self.device = device
-        self.dummy_image = dummy_image_for(hf_config) if is_vision_language_config(hf_config) else None
-
-    def logprobs(self, batch: Batch, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-        """(B, T) log-probs of ``responses`` (0 at padding) and, if asked, (B, T) entropies."""
-        B = len(batch)
-        check_no_videos(batch)
-        if self.dummy_image is not None and not has_images(batch):
-            batch = with_dummy_image(batch, self.dummy_image)
-        logits, valid = response_outputs(self.model, batch, padding_free=self.padding_free, device=self.device)
-        valid = valid[:B]
-        labels = batch["responses"][:B].to(self.device)[valid]
-        logprobs = scatter_response(logprobs_from_logits(logits, labels, temperature), valid)
-        entropy = scatter_response(entropy_from_logits(logits.float() / temperature), valid) if with_entropy else None
-        return logprobs, entropy
-
-    @torch.no_grad()
-    def logprobs_for_batch(
-        self, batch: Batch, micro_batch_size: int, budget: int | None, temperature: float, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        self.model.eval()
-        logprobs, entropies = [], []
-        for micro, is_dummy in equalize_micro_batches(micro_batches(batch, micro_batch_size, budget), self.device):
-            lp, ent = self.logprobs(micro, temperature, with_entropy)
-            if not is_dummy:
-                logprobs.append(lp.cpu())
-                entropies.append(ent.cpu() if ent is not None else None)
-        return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)
 
 
 class ActorWorker:
@@ -170,6 +97,7 @@ class ActorWorker:
         loss_fn: Callable[[PolicyLossInputs], tuple[Tensor, dict[str, float]]] | None = None,
     ):
         check_worker_group(rank, world_size)
+        check_supported(config, "worker.actor")
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
@@ -197,10 +125,13 @@ class ActorWorker:
         )
         self.hf_config = loaded.hf_config
         self.model = apply_fsdp(loaded.model, config.fsdp, self.device)
-        self.runner = ModelRunner(self.model, self.hf_config, padding_free=config.padding_free, device=self.device)
+        self.dummy_image = dummy_image_for(self.hf_config)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self._offloaded = False
+
+    def _forward_kwargs(self) -> dict[str, Any]:
+        return dict(padding_free=self.config.padding_free, device=self.device, dummy_image=self.dummy_image)
 
     # ------------------------------------------------------------------ experience
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False) -> Batch:
@@ -212,8 +143,9 @@ class ActorWorker:
         batch.require("input_ids", "attention_mask", "position_ids", "responses")
         self._ensure_loaded()
         size = self.config.micro_batch_size_per_device_for_experience
-        logprobs, entropies = self.runner.logprobs_for_batch(
-            batch, size, token_budget(self.config, size, batch), self.temperature, with_entropy
+        logprobs, entropies = policy_logprobs_for_batch(
+            self.model, batch, micro_batch_size=size, budget=token_budget(self.config, size, batch),
+            temperature=self.temperature, with_entropy=with_entropy, **self._forward_kwargs(),
         )
         tensors = {"old_logprobs": logprobs}
         if entropies is not None:
@@ -232,6 +164,7 @@ class ActorWorker:
         actor/skipped_steps.
         """
         batch.require(*UPDATE_KEYS, *(("ref_logprobs",) if self.use_kl_loss else ()))
+        check_same_batch_size(len(batch), self.device, "ActorWorker.update_policy")
         self._ensure_loaded()
         self.model.train()
         history: dict[str, list[float]] = defaultdict(list)
@@ -257,15 +190,16 @@ class ActorWorker:
         cfg = self.config
         mode = cfg.loss_avg_mode
         local_n = loss_normalizer(mini["response_mask"].bool(), mode, self.max_response_length)
-        sums = {"normalizer": local_n}
+        normalizer = all_reduce_sums({"n": local_n}, self.device)["n"]
         size = cfg.micro_batch_size_per_device_for_update
         micros = equalize_micro_batches(micro_batches(mini, size, token_budget(cfg, size, mini)), self.device)
-        normalizer = all_reduce_sums({"n": local_n}, self.device)["n"]
-        acc: dict[str, float] = defaultdict(float)
+        acc: dict[str, float] = defaultdict(float, nonfinite=0.0)  # same keys on every rank
         for micro, is_dummy in micros:
             weight = 0.0 if is_dummy else 1.0
             mask = micro["response_mask"].to(self.device).bool()
-            logprobs, entropy = self.runner.logprobs(micro, self.temperature, with_entropy=True)
+            logprobs, entropy = policy_logprobs(
+                self.model, micro, temperature=self.temperature, with_entropy=True, **self._forward_kwargs()
+            )
             inputs = PolicyLossInputs(
                 logprobs=logprobs,
                 old_logprobs=micro["old_logprobs"].to(self.device),
@@ -297,7 +231,7 @@ class ActorWorker:
             for key, value in pg_metrics.items():
                 if key != "entropy_loss":  # the exact entropy above replaces the loss's estimate
                     acc[f"actor/{key}"] += tokens * float(value)
-        totals = all_reduce_sums({**sums, **acc, "nonfinite": acc.get("nonfinite", 0.0)}, self.device)
+        totals = all_reduce_sums(acc, self.device)
         grad_norm, stepped = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, totals["nonfinite"] > 0)
         stats = {}
         for key, value in totals.items():
@@ -328,6 +262,7 @@ class ActorWorker:
     def export_hf(self, path: str | os.PathLike) -> None:
         """Write a Hugging Face model directory (weights, config, tokenizer, processor) that
         transformers' Auto classes and vLLM load. Collective; rank 0 writes."""
+        self._ensure_loaded()
         state = gather_full_state_dict(self.model)
         if self.rank == 0:
             export_hf_model(state, self.hf_config, self.config.model, path)
@@ -366,9 +301,20 @@ def export_hf_model(state: dict[str, Tensor], hf_config: Any, model_config: Any,
                            f"unexpected {unexpected[:5]}")
     if tied:
         model.tie_weights()
+    model.generation_config = _generation_config(model_config, model.generation_config)
     path = Path(path)
     model.save_pretrained(path)
     tokenizer, processor = load_tokenizer_and_processor(model_config)
     tokenizer.save_pretrained(path)
     if processor is not None:
         processor.save_pretrained(path)
+
+
+def _generation_config(model_config: Any, default: Any) -> Any:
+    """The source checkpoint's generation config (eos ids, sampling defaults vLLM reads), if it has one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(resolve_paths(model_config)[0])
+    except OSError:
+        return default

@@ -25,23 +25,23 @@ from torch import Tensor
 from easyvlm.algorithms.aggregation import loss_normalizer
 from easyvlm.algorithms.value_loss import value_loss
 from easyvlm.data.batch import Batch
-from easyvlm.models.loading import is_vision_language_config, load_model
-from easyvlm.workers.actor import check_worker_group, model_dtype, per_rank_batch_size
+from easyvlm.models.loading import load_model
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import micro_batches, response_outputs, scatter_response
+from easyvlm.workers.forward import dummy_image_for, micro_batches, outputs_with_vision, scatter_response
 from easyvlm.workers.fsdp import apply_fsdp, load_model_to, load_optimizer_to, offload_model, offload_optimizer
 from easyvlm.workers.optim import build_optimizer, build_scheduler, step_scheduler
 from easyvlm.workers.training import (
     all_reduce_sums,
-    check_no_videos,
+    check_same_batch_size,
+    check_supported,
+    check_worker_group,
     clip_and_step,
-    dummy_image_for,
     equalize_micro_batches,
-    has_images,
     load_sharded_checkpoint,
+    model_dtype,
+    per_rank_batch_size,
     save_sharded_checkpoint,
     token_budget,
-    with_dummy_image,
 )
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class CriticWorker:
         device: torch.device | None = None,
     ):
         check_worker_group(rank, world_size)
+        check_supported(config, "worker.critic")
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
@@ -84,7 +85,7 @@ class CriticWorker:
             padding_free=config.padding_free,
         )
         self.hf_config = loaded.hf_config
-        self.dummy_image = dummy_image_for(self.hf_config) if is_vision_language_config(self.hf_config) else None
+        self.dummy_image = dummy_image_for(self.hf_config)
         self.model = apply_fsdp(loaded.model, config.fsdp, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
@@ -92,14 +93,11 @@ class CriticWorker:
 
     def _values(self, batch: Batch) -> Tensor:
         """(B, T) values of the states before each response token (0 at padding)."""
-        B = len(batch)
-        check_no_videos(batch)
-        if self.dummy_image is not None and not has_images(batch):
-            batch = with_dummy_image(batch, self.dummy_image)
-        out, valid = response_outputs(
-            self.model, batch, padding_free=self.config.padding_free, device=self.device, lm_head=False
-        )
-        return scatter_response(out[:, 0].float(), valid[:B])
+        out, valid = outputs_with_vision(
+            self.model, batch, padding_free=self.config.padding_free, device=self.device,
+            dummy_image=self.dummy_image, lm_head=False,
+        )  # (K, 1)
+        return scatter_response(out[:, 0].float(), valid)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Batch:
@@ -121,6 +119,7 @@ class CriticWorker:
         (B, T) besides the forward inputs. Metrics: critic/vf_loss, critic/vf_clipfrac,
         critic/vpred_mean, critic/grad_norm, critic/lr, critic/skipped_steps."""
         batch.require("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "values", "returns")
+        check_same_batch_size(len(batch), self.device, "CriticWorker.update_critic")
         self._ensure_loaded()
         self.model.train()
         cfg = self.config
@@ -131,7 +130,7 @@ class CriticWorker:
                 local_n = loss_normalizer(mini["response_mask"].bool(), cfg.loss_avg_mode, self.max_response_length)
                 normalizer = all_reduce_sums({"n": local_n}, self.device)["n"]
                 size = cfg.micro_batch_size_per_device_for_update
-                acc: dict[str, float] = defaultdict(float)
+                acc: dict[str, float] = defaultdict(float, nonfinite=0.0)  # same keys on every rank
                 for micro, is_dummy in equalize_micro_batches(micro_batches(mini, size, token_budget(cfg, size, mini)), self.device):
                     weight = 0.0 if is_dummy else 1.0
                     mask = micro["response_mask"].to(self.device).bool()
@@ -152,7 +151,7 @@ class CriticWorker:
                     acc["tokens"] += tokens
                     for key, value in metrics.items():
                         acc[f"critic/{key}"] += tokens * float(value)
-                totals = all_reduce_sums({**acc, "nonfinite": acc.get("nonfinite", 0.0)}, self.device)
+                totals = all_reduce_sums(acc, self.device)
                 grad_norm, stepped = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, totals["nonfinite"] > 0)
                 history["critic/vf_loss"].append(totals["critic/vf_loss"])
                 for key, value in totals.items():

@@ -1,5 +1,5 @@
 """Forward passes shared by the actor, reference and critic: model inputs from a Batch (padded or
-packed), outputs at the positions that predict response tokens, micro-batching.
+packed), outputs at the positions that predict response tokens, log-probs, micro-batching.
 
 Indexing. A row is ``prompt (P, left padded) + response (T, right padded)``, L = P + T. The output
 at position P - 1 + t predicts response token t, so the log-prob of ``responses[:, t]`` (and the
@@ -9,6 +9,7 @@ token or predecessor is not attended (padding) are "invalid" and get 0.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,73 @@ from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.padding_free import pack_inputs
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
+
+
+# ------------------------------------------------------------------------------------------------
+# Vision-tower dummy. Under FSDP2 each vision block all-gathers its parameters in its forward (and
+# reduce-scatters gradients in the backward): if one rank's micro-batch has images and another's
+# has none, their collectives go out of step and the job hangs. So a vision-language model always
+# runs its vision tower; a micro-batch without images gets one dummy image in an extra row. The
+# extra row attends only to itself and has no response position, so no output or loss depends on
+# it; its parameters get zero gradients (AdamW then still applies its momentum and weight decay,
+# as it does for every parameter that FSDP gives a gradient).
+
+
+@dataclass(frozen=True)
+class DummyImage:
+    """The smallest image the vision tower takes: one (1, m, m) grid = m*m patches = 1 image token."""
+
+    image_token_id: int
+    pixel_values: Tensor  # (m*m, C * temporal_patch * patch * patch)
+    image_grid_thw: Tensor  # (1, 3)
+
+
+def dummy_image_for(hf_config: Any) -> DummyImage | None:
+    """A DummyImage for Qwen2-VL / Qwen2.5-VL configs, None for text-only models."""
+    vision = getattr(hf_config, "vision_config", None)
+    image_token_id = getattr(hf_config, "image_token_id", None)
+    if vision is None or image_token_id is None:
+        return None
+    m = vision.spatial_merge_size
+    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+    dim = channels * vision.temporal_patch_size * vision.patch_size**2
+    return DummyImage(
+        image_token_id=int(image_token_id),
+        pixel_values=torch.zeros(m * m, dim),
+        image_grid_thw=torch.tensor([[1, m, m]]),
+    )
+
+
+def has_images(batch: Batch) -> bool:
+    """Whether any sample of ``batch`` has ``pixel_values``."""
+    items = batch.get(MULTI_MODAL_KEY) or []
+    return any(item and item.get("pixel_values") is not None for item in items)
+
+
+def check_no_videos(batch: Batch) -> None:
+    items = batch.get(MULTI_MODAL_KEY) or []
+    for i, item in enumerate(items):
+        if item and item.get("pixel_values_videos") is not None:
+            raise NotImplementedError(
+                f"sample {i} has video inputs (pixel_values_videos); the FSDP workers train on images only for now"
+            )
+
+
+def with_dummy_image(batch: Batch, dummy: DummyImage) -> Batch:
+    """The forward keys of ``batch`` (B rows) plus row B: only its last token is attended, and it is
+    the image token of ``dummy``. Its predecessor is padding, so row B has no valid response
+    position (no output is read from it), and it attends only to itself."""
+    B, L = batch["input_ids"].shape
+    tensors = {}
+    for key in ("input_ids", "attention_mask", "position_ids", "responses"):
+        value = batch[key]
+        extra = torch.zeros((1,) + tuple(value.shape[1:]), dtype=value.dtype, device=value.device)
+        tensors[key] = torch.cat([value, extra], dim=0)
+    tensors["input_ids"][B, L - 1] = dummy.image_token_id
+    tensors["attention_mask"][B, L - 1] = True
+    items = list(batch.get(MULTI_MODAL_KEY) or [{}] * B)
+    items.append({"pixel_values": dummy.pixel_values, "image_grid_thw": dummy.image_grid_thw})
+    return Batch(tensors, {MULTI_MODAL_KEY: items})
 
 
 def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
@@ -114,3 +182,79 @@ def micro_batches(batch: Batch, micro_batch_size: int, token_budget: int | None 
     if token_budget is None:
         return batch.split(micro_batch_size)
     return [batch.index(group) for group in split_by_token_budget(token_lengths(batch), token_budget)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Policy log-probs (actor and reference)
+
+
+def outputs_with_vision(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    padding_free: bool,
+    device: torch.device,
+    dummy_image: DummyImage | None,
+    lm_head: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """:func:`response_outputs`, after adding ``dummy_image`` to a micro-batch without images
+    (vision-language models: every rank runs the vision tower). Returns ((K, C), valid (B, T))."""
+    B = len(batch)
+    check_no_videos(batch)
+    if dummy_image is not None and not has_images(batch):
+        batch = with_dummy_image(batch, dummy_image)
+    out, valid = response_outputs(model, batch, padding_free=padding_free, device=device, lm_head=lm_head)
+    return out, valid[:B]
+
+
+def policy_logprobs(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    padding_free: bool,
+    device: torch.device,
+    dummy_image: DummyImage | None,
+) -> tuple[Tensor, Tensor | None]:
+    """(B, T) log-probs of ``responses`` under softmax(logits / temperature), 0 at padding, and,
+    if asked, the (B, T) entropies of those distributions. Differentiable."""
+    from easyvlm.algorithms.entropy import entropy_from_logits
+
+    logits, valid = outputs_with_vision(
+        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image
+    )  # (K, V)
+    labels = batch["responses"].to(device)[valid]  # (K,)
+    logprobs = scatter_response(logprobs_from_logits(logits, labels, temperature), valid)
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, scatter_response(entropy_from_logits(logits.float() / temperature), valid)
+
+
+@torch.no_grad()
+def policy_logprobs_for_batch(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    micro_batch_size: int,
+    budget: int | None,
+    temperature: float,
+    with_entropy: bool,
+    padding_free: bool,
+    device: torch.device,
+    dummy_image: DummyImage | None,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
+    from easyvlm.workers.training import equalize_micro_batches
+
+    model.eval()
+    logprobs, entropies = [], []
+    for micro, is_dummy in equalize_micro_batches(micro_batches(batch, micro_batch_size, budget), device):
+        lp, ent = policy_logprobs(
+            model, micro, temperature=temperature, with_entropy=with_entropy,
+            padding_free=padding_free, device=device, dummy_image=dummy_image,
+        )
+        if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
+            logprobs.append(lp.cpu())
+            entropies.append(ent.cpu() if ent is not None else None)
+    return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)

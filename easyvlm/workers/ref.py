@@ -14,10 +14,10 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.loading import load_model
-from easyvlm.workers.actor import ModelRunner, check_worker_group, model_dtype
 from easyvlm.workers.dist import worker_device
+from easyvlm.workers.forward import dummy_image_for, policy_logprobs_for_batch
 from easyvlm.workers.fsdp import apply_fsdp, load_model_to, offload_model
-from easyvlm.workers.training import token_budget
+from easyvlm.workers.training import check_worker_group, model_dtype, token_budget
 
 
 class RefWorker:
@@ -51,7 +51,7 @@ class RefWorker:
             trainable=False,
         )
         self.model = apply_fsdp(loaded.model, config.fsdp, self.device)
-        self.runner = ModelRunner(self.model, loaded.hf_config, padding_free=actor_config.padding_free, device=self.device)
+        self.dummy_image = dummy_image_for(loaded.hf_config)
         self._offloaded = False
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
@@ -64,8 +64,11 @@ class RefWorker:
             load_model_to(self.model, self.device)
             self._offloaded = False
         size = self.actor_config.micro_batch_size_per_device_for_experience
-        budget = token_budget(self.actor_config, size, batch)
-        logprobs, _ = self.runner.logprobs_for_batch(batch, size, budget, self.temperature, with_entropy=False)
+        logprobs, _ = policy_logprobs_for_batch(
+            self.model, batch, micro_batch_size=size, budget=token_budget(self.actor_config, size, batch),
+            temperature=self.temperature, with_entropy=False, padding_free=self.actor_config.padding_free,
+            device=self.device, dummy_image=self.dummy_image,
+        )
         return Batch({"ref_logprobs": logprobs})
 
     def offload(self) -> None:

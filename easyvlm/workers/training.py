@@ -1,27 +1,62 @@
-"""Mechanics shared by the trainable workers (actor, critic): equal micro-batch counts across ranks,
-the vision-tower dummy, cross-rank sums, clipping with non-finite skipping, sharded checkpoints.
+"""Mechanics shared by the workers: checks, cross-rank sums, equal micro-batch counts across ranks,
+clipping with non-finite skipping, sharded checkpoints.
 
-Why equal counts and a dummy image: FSDP2 all-gathers each block's parameters in its forward and
-reduce-scatters its gradients in the backward, as collectives. Every rank must therefore run the
-same number of forward/backward passes, and the vision tower in each of them, even when its own
-micro-batch has fewer samples or no image at all.
+Why equal counts: FSDP2 all-gathers each block's parameters in its forward and reduce-scatters its
+gradients in the backward, as collectives. Every rank must therefore run the same number of
+forward/backward passes, even when its own share cuts into fewer micro-batches (and the vision
+tower in each of them: see ``forward.with_dummy_image``).
 """
 
 from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from easyvlm.data.batch import Batch
-from easyvlm.workers.forward import MULTI_MODAL_KEY
+from easyvlm.workers.fsdp import parse_dtype
+
+
+def check_supported(config: Any, key: str) -> None:
+    """Refuse settings the FSDP workers do not implement, naming the config key."""
+    if getattr(config, "ulysses_size", 1) != 1:
+        raise NotImplementedError(f"{key}.ulysses_size={config.ulysses_size}: sequence parallelism is not implemented; set 1")
+
+
+def check_worker_group(rank: int, world_size: int) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "workers need torch.distributed initialised (one process per device); call "
+            "easyvlm.workers.dist.init_distributed() before building a worker"
+        )
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise ValueError(
+            f"worker built with rank={rank}, world_size={world_size} but the process group has "
+            f"rank={dist.get_rank()}, world_size={dist.get_world_size()}"
+        )
+
+
+def model_dtype(fsdp_config: Any, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
+    """Parameter dtype: float32 on the CPU; on GPUs ``fsdp.torch_dtype`` or ``gpu_default``."""
+    if device.type != "cuda":
+        return torch.float32
+    return parse_dtype(getattr(fsdp_config, "torch_dtype", None), gpu_default, "fsdp.torch_dtype")
+
+
+def per_rank_batch_size(global_batch_size: int, rollout_n: int, world_size: int, key: str) -> int:
+    samples = global_batch_size * rollout_n
+    if samples % world_size:
+        raise ValueError(
+            f"{key}={global_batch_size} prompts x rollout.n={rollout_n} = {samples} samples cannot be split "
+            f"evenly over {world_size} ranks; choose a multiple of {world_size // np.gcd(world_size, rollout_n)}"
+        )
+    return samples // world_size
 
 
 def world_size() -> int:
@@ -33,6 +68,18 @@ def all_reduce_max_int(value: int, device: torch.device) -> int:
     if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def check_same_batch_size(batch_size: int, device: torch.device, key: str) -> None:
+    """Every rank must hold as many samples (else they would run different numbers of mini-batches
+    and FSDP's collectives would hang)."""
+    largest = all_reduce_max_int(batch_size, device)
+    smallest = -all_reduce_max_int(-batch_size, device)
+    if largest != smallest:
+        raise ValueError(
+            f"{key}: ranks received between {smallest} and {largest} samples; the caller must give every "
+            "rank the same number (Batch.chunk after Batch.pad_to_divisor)"
+        )
 
 
 def all_reduce_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -51,67 +98,6 @@ def equalize_micro_batches(micros: list[Batch], device: torch.device) -> list[tu
     if not micros:
         raise ValueError("a worker received an empty batch; the caller must give every rank at least one sample")
     return [(m, False) for m in micros] + [(micros[0], True)] * (target - len(micros))
-
-
-# ------------------------------------------------------------------------------------------------
-# Vision-tower dummy
-
-
-@dataclass(frozen=True)
-class DummyImage:
-    """The smallest image the vision tower takes: one (1, m, m) grid = m*m patches = 1 image token."""
-
-    image_token_id: int
-    pixel_values: Tensor  # (m*m, C * temporal_patch * patch * patch)
-    image_grid_thw: Tensor  # (1, 3)
-
-
-def dummy_image_for(hf_config: Any) -> DummyImage | None:
-    """A DummyImage for Qwen2-VL / Qwen2.5-VL configs, None for text-only models."""
-    vision = getattr(hf_config, "vision_config", None)
-    image_token_id = getattr(hf_config, "image_token_id", None)
-    if vision is None or image_token_id is None:
-        return None
-    m = vision.spatial_merge_size
-    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
-    dim = channels * vision.temporal_patch_size * vision.patch_size**2
-    return DummyImage(
-        image_token_id=int(image_token_id),
-        pixel_values=torch.zeros(m * m, dim),
-        image_grid_thw=torch.tensor([[1, m, m]]),
-    )
-
-
-def has_images(batch: Batch) -> bool:
-    items = batch.get(MULTI_MODAL_KEY) or []
-    return any(item and item.get("pixel_values") is not None for item in items)
-
-
-def check_no_videos(batch: Batch) -> None:
-    items = batch.get(MULTI_MODAL_KEY) or []
-    for i, item in enumerate(items):
-        if item and item.get("pixel_values_videos") is not None:
-            raise NotImplementedError(
-                f"sample {i} has video inputs (pixel_values_videos); the FSDP workers train on images only for now"
-            )
-
-
-def with_dummy_image(batch: Batch, dummy: DummyImage) -> Batch:
-    """``batch`` plus one extra row holding a single image token (left padded), so that the vision
-    tower runs. The caller drops the extra row's outputs; it attends only to itself."""
-    B, L = batch["input_ids"].shape
-    tensors = {}
-    for key in ("input_ids", "attention_mask", "position_ids", "responses"):
-        value = batch[key]
-        extra = torch.zeros((1,) + tuple(value.shape[1:]), dtype=value.dtype, device=value.device)
-        tensors[key] = torch.cat([value, extra], dim=0)
-    tensors["input_ids"][B, L - 1] = dummy.image_token_id
-    # attended: the image token; the row's only other attended token would be "predecessor" of
-    # response positions, so the extra row never has a valid response position
-    tensors["attention_mask"][B, L - 1] = True
-    items = list(batch.get(MULTI_MODAL_KEY) or [{}] * B)
-    items.append({"pixel_values": dummy.pixel_values, "image_grid_thw": dummy.image_grid_thw})
-    return Batch(tensors, {MULTI_MODAL_KEY: items})
 
 
 # ------------------------------------------------------------------------------------------------

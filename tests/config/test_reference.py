@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from easyvlm.config.introspect import all_keys
-from easyvlm.config.reference import main, render_reference
+from easyvlm.config.reference import README, main, render_reference, sync_readme
 from easyvlm.config.schema import PPOConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -13,6 +13,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 def test_docs_config_md_is_current():
     assert DOC.read_text() == render_reference(), "regenerate with: python -m easyvlm.config.reference"
+
+
+def test_readme_config_block_is_current():
+    assert sync_readme(README, check=True), "regenerate with: python -m easyvlm.config.reference"
 
 
 def test_every_key_is_documented():

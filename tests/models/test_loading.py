@@ -68,9 +68,12 @@ def test_override_config_reaches_sub_config(tiny_model_path):
     assert loaded.model.model.language_model.norm.variance_epsilon == 1e-3
 
 
-def test_flash_attention_on_cpu_is_refused(tiny_model_path):
-    with pytest.raises(ValueError, match="flash_attention_2.*needs a CUDA GPU"):
-        load_model(_cfg(tiny_model_path, attn_implementation="flash_attention_2"))
+def test_flash_attention_falls_back_to_sdpa_without_cuda(tiny_model_path, caplog):
+    with caplog.at_level("WARNING", logger="easyvlm.models.loading"):
+        model = load_model(_cfg(tiny_model_path, attn_implementation="flash_attention_2"), padding_free=True).model
+    assert "model.attn_implementation='flash_attention_2' but no CUDA device; using 'sdpa'" in caplog.text
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    assert model.config.text_config._attn_implementation == VARLEN_ATTENTION
 
 
 def test_lora_excluding_the_vision_tower(tiny_model_path):

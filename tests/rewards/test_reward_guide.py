@@ -21,10 +21,10 @@ def example_code() -> str:
 
 
 @pytest.mark.slow  # runs the file in a worker process, as training does
-def test_guide_example_works_unchanged(tmp_path):
-    path = tmp_path / "my_reward.py"
-    path.write_text(example_code())
-    spec = RewardFunctionSpec(f"{path}:compute_score", {"max_words": 3})
+def test_guide_example_works_unchanged(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text(example_code())
+    monkeypatch.chdir(tmp_path)  # the guide's relative path, as a user would run it
+    spec = RewardFunctionSpec("./my_reward.py:compute_score", {"max_words": 3})
     inputs = [
         inp("the cat sat", "cat"),  # right, 3 words <= 3: 0.8 + 0.2 = 1.0
         inp("a dog is here now", "cat"),  # wrong, 5 words: 0.0

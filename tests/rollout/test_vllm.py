@@ -12,11 +12,14 @@ import torch
 from rollout_helpers import recompute_logprobs
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-from easyvlm.config.schema import RolloutConfig
+from easyvlm.config.schema import DataConfig, RolloutConfig
+from easyvlm.data.images import vllm_mm_processor_kwargs
 from easyvlm.rollout.factory import build_rollout
 
 T = 12  # response length
 CONFIG = RolloutConfig(name="vllm", n=2, temperature=1.0, seed=3, max_num_seqs=32, disable_tqdm=True, gpu_memory_utilization=0.1)
+# The data pipeline's pixel limits for the module's engine: 1 to 64 merged image tokens per image.
+MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,8 @@ def tokenizer(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_path, tokenizer):
-    return build_rollout(CONFIG, tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T)
+    mm_kwargs = vllm_mm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
+    return build_rollout(CONFIG, tiny_model_path, tokenizer, 128, T, mm_processor_kwargs=mm_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +97,23 @@ def test_expanded_raw_prompt_ids_are_rejected(engine, prompts):
     prompts["raw_prompt_ids"] = expanded
     with pytest.raises(ValueError, match="one vision placeholder per image"):
         engine.generate(prompts, n=1, max_tokens=1)
+
+
+@pytest.mark.slow
+def test_prompts_from_the_data_pipeline(engine, model, tiny_processor_and_config, synthetic_train_file):
+    """A Batch from RLDataset + collate_prompts: 28x28 px images (1 image token), smaller than the
+    processor's own min_pixels, so vLLM keeps them only thanks to mm_processor_kwargs."""
+    from easyvlm.data.collate import collate_prompts
+    from easyvlm.data.dataset import RLDataset
+
+    processor, model_config = tiny_processor_and_config
+    data = DataConfig(train_files=synthetic_train_file, prompt_key="problem", min_pixels=MIN_PIXELS, max_pixels=2 * MIN_PIXELS)
+    dataset = RLDataset(synthetic_train_file, data, processor.tokenizer, processor, model_config)
+    batch = collate_prompts([dataset[i] for i in range(4)], dataset.pad_token_id)
+    assert min(image.width * image.height for images in batch["images"] for image in images) < processor.image_processor.min_pixels
+    out = engine.generate(batch, temperature=1.0)  # raises if vLLM's expanded prompt differs from input_ids
+    mask = out["response_mask"]
+    torch.testing.assert_close(out["rollout_logprobs"][mask], recompute_logprobs(model, out, 1.0, engine.blocked_token_ids)[mask])
 
 
 @pytest.mark.slow

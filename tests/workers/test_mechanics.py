@@ -6,9 +6,14 @@ from __future__ import annotations
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.workers.forward import response_valid_mask, scatter_response, split_by_token_budget
+from easyvlm.workers.forward import (
+    DummyImage,
+    response_valid_mask,
+    scatter_response,
+    split_by_token_budget,
+    with_dummy_image,
+)
 from easyvlm.workers.fsdp import merge_lora_state_dict
-from easyvlm.workers.training import DummyImage, with_dummy_image
 
 
 def test_split_by_token_budget():

