@@ -33,7 +33,7 @@ test-fast: setup
 
 demo: setup
 	$(BIN)/python -m easyvlm.trainer.main config=examples/config.yaml
-	$(BIN)/python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl docs/demo_curve.png
+	$(BIN)/python -m easyvlm.trainer.plot checkpoints/easyvlm/tiny_synthetic_grpo/experiment_log.jsonl checkpoints/easyvlm/tiny_synthetic_grpo/learning_curve.png
 
 docs: setup
 	$(BIN)/python -m easyvlm.config.reference

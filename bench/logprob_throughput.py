@@ -52,7 +52,8 @@ def make_batch(model_dir: str, batch_size: int, max_response: int, seed: int = 0
         size = [(56, 56), (84, 84), None][i % 3]
         question = QUESTIONS[rng.integers(len(QUESTIONS))] * int(rng.integers(1, 4))
         content = ([{"type": "image"}] if size else []) + [{"type": "text", "text": question}]
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": content}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))] if size else None
         enc = processor(text=[text], images=images, return_tensors="pt")
         grid = enc.get("image_grid_thw")

@@ -17,6 +17,7 @@ the process's threads too). On a shared, loaded machine 1 thread can be much fas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -36,7 +37,9 @@ def prompt_batch(model_dir: str, prompts: int):
     processor = AutoProcessor.from_pretrained(model_dir)
     data_file = str(materialize_dataset("train", num_samples=prompts))
     # the demo's data settings (examples/config.yaml): 56x56 px images, 4 image tokens each
-    config = DataConfig(train_files=data_file, prompt_key="problem", min_pixels=3136, max_pixels=50176, max_prompt_length=256)
+    config = DataConfig(
+        train_files=data_file, prompt_key="problem", min_pixels=3136, max_pixels=50176, max_prompt_length=256
+    )
     dataset = RLDataset(data_file, config, processor.tokenizer, processor, AutoConfig.from_pretrained(model_dir))
     return collate_prompts([dataset[i] for i in range(prompts)], dataset.pad_token_id), processor.tokenizer, config
 
@@ -57,15 +60,17 @@ def run(engine_name: str, model_dir: str, args: argparse.Namespace) -> dict:
         mm_processor_kwargs=vllm_mm_processor_kwargs(data.min_pixels, data.max_pixels),
     )
     build_s = time.perf_counter() - start
-    engine.generate(batch.index(slice(0, 2)), n=2, ignore_eos=True)  # warm-up
+    # Warm-up, and proof that every sequence generates --tokens tokens: generate()'s padded output
+    # cannot show it (the pad id is also an EOS id), so ask the engine's sampler for the raw lists.
+    sampling = dataclasses.replace(engine.sampling, ignore_eos=True)
+    responses, _ = engine._sample(batch.repeat(args.n), sampling)
+    if {len(r) for r in responses} != {args.tokens}:
+        raise RuntimeError(f"{engine_name}: response lengths {sorted({len(r) for r in responses})}, expected {args.tokens}")
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        out = engine.generate(batch, ignore_eos=True)
+        engine.generate(batch, ignore_eos=True)
         times.append(time.perf_counter() - start)
-        generated = int(sum(len(r) for r in out["responses"]))
-        if generated != args.prompts * args.n * args.tokens:
-            raise RuntimeError(f"{engine_name}: generated {generated} tokens, expected {args.prompts * args.n * args.tokens}")
     median = statistics.median(times)
     return {
         "engine": engine_name,
@@ -96,13 +101,17 @@ def main() -> None:
 
     model_dir = resolve_model_path(args.model)
     results = [run(name, model_dir, args) for name in args.engines.split(",")]
-    print(f"\nrollout throughput: {args.model}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens, "
-          f"median of {args.repeats}; torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    machine = platform.processor() or platform.machine()
+    print(
+        f"\nrollout throughput: {args.model}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens, "
+        f"median of {args.repeats}; torch {torch.__version__}, {torch.get_num_threads()} threads, {machine}"
+    )
     print(f"{'engine':<8}{'build s':>9}{'median s':>10}{'tokens/s':>11}")
     for r in results:
         print(f"{r['engine']:<8}{r['build_s']:>9.1f}{r['median_s']:>10.2f}{r['tokens_per_s']:>11.0f}")
     if len(results) == 2:
-        print(f"speed-up {results[1]['engine']} / {results[0]['engine']}: {results[1]['tokens_per_s'] / results[0]['tokens_per_s']:.1f}x")
+        ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
+        print(f"speed-up {results[1]['engine']} / {results[0]['engine']}: {ratio:.1f}x")
     print(json.dumps({"bench": "rollout_throughput", "results": results}))
 
 

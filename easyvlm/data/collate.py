@@ -25,7 +25,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import Batch
 
-OBJECT_KEYS = ("raw_prompt_ids", "images", "multi_modal_inputs", "ground_truth", "uid", "prompt_text", "extra")
+OBJECT_KEYS = ("raw_prompt_ids", "images", "original_image_sizes", "multi_modal_inputs", "ground_truth", "uid", "prompt_text", "extra")
 
 
 def left_pad(sequences: Sequence[Tensor], pad_value: int) -> Tensor:

@@ -15,6 +15,8 @@ counted in :attr:`RLDataset.report`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +84,7 @@ class EncodedPrompt:
     images: list  # PIL images after fit_image
     multi_modal_inputs: dict[str, Tensor]  # pixel_values (N_patches, D), image_grid_thw (N_img, 3); {} if none
     prompt_text: str  # the chat-template text (one image pad token per image), before any truncation
+    original_image_sizes: list = dataclasses.field(default_factory=list)  # (width, height) before fit_image
 
 
 def collapse_image_tokens(input_ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
@@ -152,15 +155,17 @@ class PromptEncoder:
             return []
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
-    def load_images(self, row: dict, base_dir: Any) -> list:
-        images = []
+    def load_images(self, row: dict, base_dir: Any) -> tuple[list, list]:
+        """(fitted images, their (width, height) before fitting)."""
+        images, sizes = [], []
         for k, value in enumerate(self.raw_images(row)):
             try:
                 image = load_image(value, self.image_dir if self.image_dir else base_dir)
+                sizes.append(image.size)
                 images.append(fit_image(image, self.min_pixels, self.max_pixels, self.factor))
             except ImageLoadError as err:
                 raise RowError(f"{self.image_key}[{k}]: {err}") from err
-        return images
+        return images, sizes
 
     def encode(self, row: dict, base_dir: Any = None) -> EncodedPrompt:
         """Row -> EncodedPrompt, before any length policy. Raises RowError naming the problem."""
@@ -175,7 +180,7 @@ class PromptEncoder:
             raise RowError(f"videos are not supported yet: the row has a non-empty {self.video_key!r} column")
         if self.raw_images(row) and self.processor is None:
             raise RowError("the row has images but the model has no image processor (text-only model)")
-        images = self.load_images(row, base_dir) if self.processor is not None else []
+        images, sizes = self.load_images(row, base_dir) if self.processor is not None else ([], [])
         try:
             text = render_prompt(content, row, self.format_prompt)
             messages = build_messages(text, len(images), self.system_prompt, multimodal=self.processor is not None)
@@ -208,7 +213,7 @@ class PromptEncoder:
                 f"the tokenized prompt has {found} image tokens but its {len(images)} image(s) give {expected} "
                 f"features (does the text contain the image pad token literally?)"
             )
-        return EncodedPrompt(input_ids, self.raw_ids(input_ids, mm), images, mm, prompt_text)
+        return EncodedPrompt(input_ids, self.raw_ids(input_ids, mm), images, mm, prompt_text, sizes)
 
     def tokens_per_image(self, mm: dict[str, Tensor]) -> list[int]:
         """Image tokens (= vision tower features) of each image: t * h * w / merge_size**2."""
@@ -238,7 +243,7 @@ class PromptEncoder:
                 f"the prompt has {n} tokens, more than data.max_prompt_length={limit}, and truncating it "
                 f"({self.truncation}) would cut image tokens; raise max_prompt_length or lower data.max_pixels"
             )
-        return EncodedPrompt(kept, self.raw_ids(kept, enc.multi_modal_inputs), enc.images, enc.multi_modal_inputs, enc.prompt_text)
+        return dataclasses.replace(enc, input_ids=kept, raw_prompt_ids=self.raw_ids(kept, enc.multi_modal_inputs))
 
     def position_ids(self, enc: EncodedPrompt) -> Tensor:
         """(4, P) for mRoPE models, (P,) otherwise."""
@@ -345,7 +350,8 @@ class RLDataset(torch.utils.data.Dataset):
         """One sample:
 
         input_ids (P,) int64 · position_ids (4, P) or (P,) int64 · raw_prompt_ids list[int]
-        (input_ids with one image token per image, for vLLM) · images list[PIL] · multi_modal_inputs dict · ground_truth ·
+        (input_ids with one image token per image, for vLLM) · images list[PIL] · original_image_sizes
+        list[(width, height)] before resizing (for rewards that rescale boxes) · multi_modal_inputs dict · ground_truth ·
         uid str · prompt_text str · extra dict (the row's other columns).
         """
         source_id, row_id, uid_number = self.index[i]
@@ -361,6 +367,7 @@ class RLDataset(torch.utils.data.Dataset):
             "position_ids": self.encoder.position_ids(enc),
             "raw_prompt_ids": enc.raw_prompt_ids,
             "images": enc.images,
+            "original_image_sizes": enc.original_image_sizes,
             "multi_modal_inputs": enc.multi_modal_inputs,
             "ground_truth": row[self.encoder.answer_key],
             "uid": f"{self.name}-{uid_number}",

@@ -14,7 +14,6 @@ a multi-node cluster started with ``ray start`` (``RAY_ADDRESS`` / ``trainer.ray
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from easyvlm.data.batch import Batch
+from easyvlm.workers.dist import find_free_port
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,6 @@ class Resources:
     world_size: int
     cpus_per_worker: float
     use_gpu: bool
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class _RankHost:
@@ -65,7 +59,7 @@ class _RankHost:
 
     @staticmethod
     def node_address() -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        return ray.util.get_node_ip_address(), find_free_port()
 
 
 class WorkerGroup:

@@ -47,7 +47,9 @@ def resolve_paths(model_config: Any) -> tuple[str, str]:
 
     model_path = _field(model_config, "model_path")
     if not model_path:
-        raise ValueError("worker.actor.model.model_path is empty: give a local directory, 'org/name' or 'builtin:<name>'")
+        raise ValueError(
+            "worker.actor.model.model_path is empty: give a local directory, 'org/name' or 'builtin:<name>'"
+        )
     model_dir = resolve_model_path(model_path)
     tokenizer_path = _field(model_config, "tokenizer_path") or model_path
     tokenizer_dir = model_dir if tokenizer_path == model_path else resolve_model_path(tokenizer_path)

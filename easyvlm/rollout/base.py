@@ -126,7 +126,9 @@ class RolloutEngine(ABC):
         batch.require(*PROMPT_KEYS)
         prompts = batch.repeat(sampling.n, interleave=True)
         responses, logprobs = self._sample(prompts, sampling)
-        return build_rollout_batch(prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids)
+        return build_rollout_batch(
+            prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
+        )
 
     @abstractmethod
     def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:

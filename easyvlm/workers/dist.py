@@ -44,7 +44,7 @@ def find_free_port() -> int:
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # all interfaces: other nodes connect to it
         return s.getsockname()[1]
 
 

@@ -69,9 +69,11 @@ def apply_fsdp(model: nn.Module, fsdp_config: Any, device: torch.device) -> nn.M
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     on_gpu = device.type == "cuda"
     if on_gpu:
+        param_dtype = getattr(fsdp_config, "mp_param_dtype", "bf16")
+        reduce_dtype = getattr(fsdp_config, "mp_reduce_dtype", "fp32")
         mp_policy = MixedPrecisionPolicy(
-            param_dtype=parse_dtype(getattr(fsdp_config, "mp_param_dtype", "bf16"), torch.bfloat16, "fsdp.mp_param_dtype"),
-            reduce_dtype=parse_dtype(getattr(fsdp_config, "mp_reduce_dtype", "fp32"), torch.float32, "fsdp.mp_reduce_dtype"),
+            param_dtype=parse_dtype(param_dtype, torch.bfloat16, "fsdp.mp_param_dtype"),
+            reduce_dtype=parse_dtype(reduce_dtype, torch.float32, "fsdp.mp_reduce_dtype"),
         )
     else:
         mp_policy = MixedPrecisionPolicy()  # the CPU computes in the parameters' dtype (float32)

@@ -115,6 +115,8 @@ class CriticHost:
             world_size=self.world_size,
             total_steps=total_steps,
             rollout_n=cfg.worker.rollout.n,
+            max_response_length=cfg.data.max_response_length,
+            seed=cfg.trainer.seed,
         )
 
     def compute_values(self, batch: Batch) -> Batch:

@@ -28,7 +28,12 @@ def warmup_steps_for(total_steps: int, lr_warmup_ratio: float = 0.0, lr_warmup_s
 
 
 def lr_multiplier(
-    step: int, *, total_steps: int, warmup_steps: int, scheduler_type: str = "constant", min_lr_ratio: float | None = None
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int,
+    scheduler_type: str = "constant",
+    min_lr_ratio: float | None = None,
 ) -> float:
     """Factor on the peak learning rate at 0-based ``step``.
 
@@ -67,7 +72,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim_config: Any) -> 
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim_config: Any, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR whose factor is :func:`lr_multiplier` (step 0 = the first update)."""
     warmup = warmup_steps_for(
         total_steps, getattr(optim_config, "lr_warmup_ratio", 0.0), getattr(optim_config, "lr_warmup_steps", None)

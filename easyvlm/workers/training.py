@@ -26,7 +26,9 @@ from easyvlm.workers.fsdp import parse_dtype
 def check_supported(config: Any, key: str) -> None:
     """Refuse settings the FSDP workers do not implement, naming the config key."""
     if getattr(config, "ulysses_size", 1) != 1:
-        raise NotImplementedError(f"{key}.ulysses_size={config.ulysses_size}: sequence parallelism is not implemented; set 1")
+        raise NotImplementedError(
+            f"{key}.ulysses_size={config.ulysses_size}: sequence parallelism is not implemented; set 1"
+        )
 
 
 def check_worker_group(rank: int, world_size: int) -> None:

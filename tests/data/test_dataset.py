@@ -44,6 +44,8 @@ def test_three_images_in_placeholder_order(tmp_path, build, processor, image_fil
     assert sample["raw_prompt_ids"] == tok(sample["prompt_text"], add_special_tokens=False)["input_ids"]
     assert len(sample["raw_prompt_ids"]) == OVERHEAD + 2 + 3 * 3
     assert [im.size for im in sample["images"]] == [image_files["c.png"], image_files["a.png"], image_files["b.png"]]
+    # sizes before fitting (what grounding rewards rescale boxes from), same order as images
+    assert sample["original_image_sizes"] == [(250, 57), (97, 55), (30, 200)]
     # grid (t, h/14, w/14) in image order; pixel_values has one row per 14x14 patch
     assert sample["multi_modal_inputs"]["image_grid_thw"].tolist() == [[1, 4, 18], [1, 4, 6], [1, 14, 2]]
     assert sample["multi_modal_inputs"]["pixel_values"].shape[0] == 72 + 24 + 28

@@ -77,7 +77,11 @@ def test_vl_packed_logits_equal_padded(tiny_model_path):
     image = lambda w, h: Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))  # noqa: E731
     vision = "<|vision_start|><|image_pad|><|vision_end|>"
     # ragged: an image prompt, a short text-only one, a long one with a different image size
-    texts = [f"<|im_start|>user\n{vision}what?<|im_end|>\n", "hi", f"{vision}count all the dots in this picture, please"]
+    texts = [
+        f"<|im_start|>user\n{vision}what?<|im_end|>\n",
+        "hi",
+        f"{vision}count all the dots in this picture, please",
+    ]
     enc = processor(text=texts, images=[image(56, 56), image(84, 56)], return_tensors="pt", padding=True)
     mask = enc["attention_mask"].bool()
     assert len(set(mask.sum(-1).tolist())) == 3  # really ragged
@@ -86,7 +90,8 @@ def test_vl_packed_logits_equal_padded(tiny_model_path):
 
     reference = AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
     with torch.no_grad():
-        padded = reference(input_ids=enc["input_ids"], attention_mask=mask, position_ids=pos.transpose(0, 1), **vision_inputs).logits
+        padded_inputs = dict(input_ids=enc["input_ids"], attention_mask=mask, position_ids=pos.transpose(0, 1))
+        padded = reference(**padded_inputs, **vision_inputs).logits
 
     attn = {"": "sdpa", "text_config": VARLEN_ATTENTION, "vision_config": "sdpa"}
     model = _varlen_copy(tiny_model_path, AutoModelForImageTextToText, attn)
@@ -95,7 +100,7 @@ def test_vl_packed_logits_equal_padded(tiny_model_path):
     with torch.no_grad():
         packed = model(input_ids=packed_in.input_ids, position_ids=packed_in.position_ids, **vision_inputs).logits
         # the same model also runs the padded layout (its attention falls back to SDPA with the mask)
-        padded_again = model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=pos.transpose(0, 1), **vision_inputs).logits
+        padded_again = model(**padded_inputs, **vision_inputs).logits
     torch.testing.assert_close(packed[0], padded[mask])
     torch.testing.assert_close(padded_again[mask], padded[mask], rtol=0, atol=0)
     # and the packing matters: without sequence boundaries (one causal run) the logits differ

@@ -23,7 +23,8 @@ def make_prompt_batch(processor: Any, model_config: Any, prompts: Sequence[tuple
     texts, raw_prompt_ids, multi_modal_inputs = [], [], []
     for question, images in prompts:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": content}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         texts.append(text)
         raw_prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         if images:
@@ -61,9 +62,9 @@ def recompute_logprobs(model: Any, rollout: Batch, temperature: float, blocked_t
     Returns (B, T) float32.
     """
     from easyvlm.models.position_ids import to_model_layout
-    from easyvlm.rollout.hf import collate_multi_modal_inputs
+    from easyvlm.data.collate import concat_multi_modal_inputs
 
-    mm = collate_multi_modal_inputs(rollout["multi_modal_inputs"])
+    mm = concat_multi_modal_inputs(rollout["multi_modal_inputs"])
     with torch.no_grad():
         logits = model(
             input_ids=rollout["input_ids"],

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from rollout_helpers import recompute_logprobs
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from easyvlm.config.schema import RolloutConfig
+from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.rollout.factory import build_rollout
-from easyvlm.rollout.hf import collate_multi_modal_inputs, mm_token_type_ids
-
-from rollout_helpers import recompute_logprobs
+from easyvlm.rollout.hf import mm_token_type_ids
 
 T = 12  # response length
 
@@ -30,7 +32,7 @@ def model(tiny_model_path):
 def greedy_reference(model, prompts, blocked, steps):
     """Greedy decoding by hand: one full forward per token, positions from transformers' get_rope_index."""
     ids, mask = prompts["input_ids"], prompts["attention_mask"].long()
-    mm = collate_multi_modal_inputs(prompts["multi_modal_inputs"])
+    mm = concat_multi_modal_inputs(prompts["multi_modal_inputs"])
     tokens, logprobs = [], []
     for _ in range(steps):
         types = mm_token_type_ids(ids, model.config)
@@ -64,10 +66,11 @@ def test_sampled_logprobs_are_the_temperature_scaled_policy(engine, model, promp
 
 def test_position_ids_equal_transformers_over_the_whole_sequence(engine, model, prompts):
     out = engine.generate(prompts, n=1)
-    mm = collate_multi_modal_inputs(out["multi_modal_inputs"])
+    mm = concat_multi_modal_inputs(out["multi_modal_inputs"])
     ids, mask = out["input_ids"], out["attention_mask"]
     types = mm_token_type_ids(ids, model.config)
-    reference, _ = model.model.get_rope_index(ids, types, image_grid_thw=mm["image_grid_thw"], attention_mask=mask.long())  # (3, B, L)
+    grids = mm["image_grid_thw"]
+    reference, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids, attention_mask=mask.long())  # (3, B, L)
     vision_rows = out["position_ids"][:, 1:].transpose(0, 1)  # (3, B, L)
     torch.testing.assert_close(vision_rows[:, mask], reference[:, mask])
 
@@ -79,6 +82,15 @@ def test_blocked_tokens_never_sampled_at_high_temperature(engine, prompts):
     blocked = torch.isin(out["responses"], torch.tensor(engine.blocked_token_ids)) & out["response_mask"]
     assert out["response_mask"].sum() > 250
     assert not blocked.any()
+
+
+def test_ignore_eos_samples_past_eos(engine, prompts):
+    # At temperature 100 the tiny model is ~uniform: an EOS id (2 of 264) falls inside some of the
+    # 3 x 8 x 12 sampled tokens, and the response must go on after it.
+    sampling = dataclasses.replace(engine.sampling, temperature=100.0, ignore_eos=True)
+    responses, logprobs = engine._sample(prompts.repeat(8), sampling)
+    assert {len(r) for r in responses} == {T} and {len(lp) for lp in logprobs} == {T}
+    assert any(token in engine.eos_token_ids for r in responses for token in r[:-1])
 
 
 def test_seeded_stream_is_private_and_reproducible(tiny_model_path, engine, prompts):
@@ -106,5 +118,6 @@ def test_update_weights(engine, model, prompts, tiny_model_path):
     engine.update_weights(perturbed.state_dict().items())
     out = engine.generate(prompts, temperature=1.0)
     mask = out["response_mask"]
-    torch.testing.assert_close(out["rollout_logprobs"][mask], recompute_logprobs(perturbed, out, 1.0, engine.blocked_token_ids)[mask])
+    expected = recompute_logprobs(perturbed, out, 1.0, engine.blocked_token_ids)
+    torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
     engine.update_weights(model.state_dict().items())  # restore for other tests

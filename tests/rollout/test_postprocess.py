@@ -74,7 +74,8 @@ def test_concat_prompt_response_text_positions():
         prompts, prompt_mask, prompt_pos, responses, response_mask
     )
     torch.testing.assert_close(input_ids, torch.tensor([[0, 3, 4, 5, 9], [2, 3, 4, 6, 7]]))
-    torch.testing.assert_close(attention_mask, torch.tensor([[False, True, True, True, True], [True, True, True, True, False]]))
+    expected_mask = torch.tensor([[False, True, True, True, True], [True, True, True, True, False]])
+    torch.testing.assert_close(attention_mask, expected_mask)
     # the response continues from the last prompt position: 1 -> 2, 3; 2 -> 3, 4
     torch.testing.assert_close(position_ids, torch.tensor([[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]]))
 
@@ -119,7 +120,8 @@ def test_build_rollout_batch_keys_values_and_objects():
     )
     torch.testing.assert_close(out["input_ids"], torch.cat([prompts["input_ids"], out["responses"]], dim=1))
     torch.testing.assert_close(out["attention_mask"], torch.cat([prompts["attention_mask"], expected_mask], dim=1))
-    torch.testing.assert_close(out["position_ids"], torch.tensor([[0, 0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]))
+    expected_positions = torch.tensor([[0, 0, 1, 2, 3], [0, 0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    torch.testing.assert_close(out["position_ids"], expected_positions)
     assert out["uid"] == ["a", "a", "b", "b"] and out["raw_prompt_ids"] == prompts["raw_prompt_ids"]
 
 

@@ -58,7 +58,8 @@ def test_overrides_apply_per_call_only():
     torch.testing.assert_close(out["responses"], torch.tensor([[3, 10, EOS, 5], [2, 10, EOS, 5]]))
     torch.testing.assert_close(out["response_mask"], torch.tensor([[True, True, True, False]] * 2))
     out = engine.generate(prompt_batch(), max_tokens=2)
-    torch.testing.assert_close(out["responses"], torch.tensor([[3, 10, PAD, PAD], [3, 11, PAD, PAD]] + [[2, 10, PAD, PAD], [2, 11, PAD, PAD]]))
+    expected = torch.tensor([[3, 10, PAD, PAD], [3, 11, PAD, PAD], [2, 10, PAD, PAD], [2, 11, PAD, PAD]])
+    torch.testing.assert_close(out["responses"], expected)
     assert len(engine.generate(prompt_batch())) == 4  # the configured n=2 is back
 
 

@@ -17,7 +17,9 @@ from easyvlm.data.images import vllm_mm_processor_kwargs
 from easyvlm.rollout.factory import build_rollout
 
 T = 12  # response length
-CONFIG = RolloutConfig(name="vllm", n=2, temperature=1.0, seed=3, max_num_seqs=32, disable_tqdm=True, gpu_memory_utilization=0.1)
+CONFIG = RolloutConfig(
+    name="vllm", n=2, temperature=1.0, seed=3, max_num_seqs=32, disable_tqdm=True, gpu_memory_utilization=0.1
+)
 # The data pipeline's pixel limits for the module's engine: 1 to 64 merged image tokens per image.
 MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
@@ -58,14 +60,14 @@ def test_greedy_matches_the_transformers_engine(engine, tiny_model_path, tokeniz
 def recompute_logprobs_gap(model, rollout, blocked):
     """(B, T) gap between the best and second-best allowed logit at each response position."""
     from easyvlm.models.position_ids import to_model_layout
-    from easyvlm.rollout.hf import collate_multi_modal_inputs
+    from easyvlm.data.collate import concat_multi_modal_inputs
 
     with torch.no_grad():
         logits = model(
             input_ids=rollout["input_ids"],
             attention_mask=rollout["attention_mask"].long(),
             position_ids=to_model_layout(rollout["position_ids"]),
-            **collate_multi_modal_inputs(rollout["multi_modal_inputs"]),
+            **concat_multi_modal_inputs(rollout["multi_modal_inputs"]),
         ).logits[:, rollout["prompts"].shape[1] - 1 : -1]
     logits[..., blocked] = float("-inf")
     top2 = logits.topk(2, dim=-1).values
@@ -107,13 +109,17 @@ def test_prompts_from_the_data_pipeline(engine, model, tiny_processor_and_config
     from easyvlm.data.dataset import RLDataset
 
     processor, model_config = tiny_processor_and_config
-    data = DataConfig(train_files=synthetic_train_file, prompt_key="problem", min_pixels=MIN_PIXELS, max_pixels=2 * MIN_PIXELS)
+    data = DataConfig(
+        train_files=synthetic_train_file, prompt_key="problem", min_pixels=MIN_PIXELS, max_pixels=2 * MIN_PIXELS
+    )
     dataset = RLDataset(synthetic_train_file, data, processor.tokenizer, processor, model_config)
     batch = collate_prompts([dataset[i] for i in range(4)], dataset.pad_token_id)
-    assert min(image.width * image.height for images in batch["images"] for image in images) < processor.image_processor.min_pixels
+    processor_min_pixels = processor.image_processor.size["shortest_edge"]  # transformers 5's name for min_pixels
+    assert min(image.width * image.height for images in batch["images"] for image in images) < processor_min_pixels
     out = engine.generate(batch, temperature=1.0)  # raises if vLLM's expanded prompt differs from input_ids
     mask = out["response_mask"]
-    torch.testing.assert_close(out["rollout_logprobs"][mask], recompute_logprobs(model, out, 1.0, engine.blocked_token_ids)[mask])
+    expected = recompute_logprobs(model, out, 1.0, engine.blocked_token_ids)
+    torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
 
 
 @pytest.mark.slow
@@ -129,7 +135,8 @@ def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tin
 
     stale = engine.generate(prompts, temperature=temperature)
     mask = stale["response_mask"]
-    stale_error = (stale["rollout_logprobs"] - recompute_logprobs(actor, stale, temperature, engine.blocked_token_ids))[mask]
+    stale_expected = recompute_logprobs(actor, stale, temperature, engine.blocked_token_ids)
+    stale_error = (stale["rollout_logprobs"] - stale_expected)[mask]
     assert stale_error.abs().max() > 0.1  # without the sync the check fails
 
     engine.update_weights(actor.state_dict().items())
@@ -141,7 +148,8 @@ def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tin
 
     engine.update_weights(model.state_dict().items())  # restore the original weights
     restored = engine.generate(prompts, n=1, temperature=0)
-    torch.testing.assert_close(restored["rollout_logprobs"], recompute_logprobs(model, restored, 0, engine.blocked_token_ids))
+    expected = recompute_logprobs(model, restored, 0, engine.blocked_token_ids)
+    torch.testing.assert_close(restored["rollout_logprobs"], expected)
 
 
 def test_cpu_kv_cache_bytes(tiny_model_path):
@@ -150,17 +158,19 @@ def test_cpu_kv_cache_bytes(tiny_model_path):
     config = AutoConfig.from_pretrained(tiny_model_path)
     # 2 (K, V) x 2 layers x 2 KV heads x head dim 128/4 = 32 x 4 bytes = 1024 bytes per token
     per_sequence = 1024 * (100 + KV_BLOCK_MARGIN_TOKENS)
-    assert cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=2**30) == 3 * per_sequence
-    assert cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=4 * per_sequence) == 2 * per_sequence
+    # enough memory: room for max_num_seqs sequences; little: half of the 4 sequences' worth free
+    assert cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=2**30) == 3 * per_sequence
+    assert cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=4 * per_sequence) == 2 * per_sequence
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
-        cpu_kv_cache_bytes(config, 100, max_num_seqs=3, memory_fraction=0.5, available_bytes=per_sequence)
+        cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=per_sequence)
 
 
 def test_cpu_engine_settings(tiny_model_path):
     from easyvlm.rollout.vllm import vllm_engine_kwargs
 
     config = AutoConfig.from_pretrained(tiny_model_path)
-    kwargs = vllm_engine_kwargs(dataclasses.replace(CONFIG, dtype="bf16", enforce_eager=False), tiny_model_path, config, 140, "cpu")
+    rollout = dataclasses.replace(CONFIG, dtype="bf16", enforce_eager=False)
+    kwargs = vllm_engine_kwargs(rollout, tiny_model_path, config, 140, "cpu")
     assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
     assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
@@ -170,3 +180,13 @@ def test_cpu_engine_settings(tiny_model_path):
 def test_max_model_len_too_short(tiny_model_path, tokenizer):
     with pytest.raises(ValueError, match="max_model_len=100 is shorter"):
         build_rollout(dataclasses.replace(CONFIG, max_model_len=100), tiny_model_path, tokenizer, 128, T)
+
+
+@pytest.mark.slow
+def test_ignore_eos_samples_past_eos(engine, prompts):
+    # At temperature 2 the tiny model samples one of its 2 EOS ids ~1/130 of the time: in
+    # 3 x 8 x 12 tokens some EOS falls inside a response, and the response must go on after it.
+    sampling = dataclasses.replace(engine.sampling, temperature=2.0, ignore_eos=True)
+    responses, logprobs = engine._sample(prompts.repeat(8), sampling)
+    assert {len(r) for r in responses} == {T} and {len(lp) for lp in logprobs} == {T}
+    assert any(token in engine.eos_token_ids for r in responses for token in r[:-1])

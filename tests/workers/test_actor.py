@@ -221,7 +221,8 @@ def test_checkpoint_round_trip(process_group, tiny_model_path, batch, tmp_path):
     actor.update_policy(data)
     actor.save_checkpoint(tmp_path / "ckpt")
     saved = weights(actor)
-    saved_optim = {k: v.full_tensor().clone() for k, v in actor.optimizer.state_dict()["state"][0].items() if k != "step"}
+    optim_state = actor.optimizer.state_dict()["state"][0]
+    saved_optim = {k: v.full_tensor().clone() for k, v in optim_state.items() if k != "step"}
     after_save = actor.update_policy(data)  # moves weights, optimizer and scheduler on
     expected_next = weights(actor)
 
@@ -255,7 +256,8 @@ def test_sync_state_dict_has_in_memory_names(process_group, tiny_model_path, ref
     state = make_actor(tiny_model_path).state_dict_for_sync()
     expected = reference_model.state_dict()
     assert state.keys() == expected.keys()
-    assert "model.language_model.layers.0.self_attn.q_proj.weight" in state and "model.visual.merger.mlp.0.weight" in state
+    assert "model.language_model.layers.0.self_attn.q_proj.weight" in state
+    assert "model.visual.merger.mlp.0.weight" in state
     assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 

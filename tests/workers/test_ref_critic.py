@@ -69,7 +69,8 @@ def reference_values(model_dir: str, head: dict[str, torch.Tensor], batch) -> to
 
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_critic_values_and_update(process_group, tiny_model_path, batch, padding_free):
-    critic = CriticWorker(critic_config(tiny_model_path, padding_free=padding_free), rank=0, world_size=1, total_steps=5)
+    config = critic_config(tiny_model_path, padding_free=padding_free)
+    critic = CriticWorker(config, rank=0, world_size=1, total_steps=5)
     head = {k: v for k, v in gather_full_state_dict(critic.model).items() if k.startswith("score.")}
     values = critic.compute_values(batch)["values"]
     expected = reference_values(tiny_model_path, head, batch)

@@ -33,7 +33,8 @@ def make_rl_batch(
     ids, positions, mm_inputs = [], [], []
     for question, size in prompts:
         content = ([{"type": "image"}] if size else []) + [{"type": "text", "text": question}]
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": content}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))] if size else None
         enc = processor(text=[text], images=images, return_tensors="pt")
         grid = enc.get("image_grid_thw")
@@ -157,7 +158,9 @@ def training_keys(batch: Batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     return noise, advantages
 
 
-def run_actor_and_critic(model_path: str, batch: Batch, noise: torch.Tensor, advantages: torch.Tensor, rank: int, world_size: int):
+def run_actor_and_critic(
+    model_path: str, batch: Batch, noise: torch.Tensor, advantages: torch.Tensor, rank: int, world_size: int
+) -> dict:
     """compute_logprobs, update_policy, compute_values, update_critic on this rank's ``batch``;
     returns what the comparison needs (weights gathered to every rank)."""
     from easyvlm.config.schema import CriticConfig, ModelConfig, OptimConfig

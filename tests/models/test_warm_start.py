@@ -1,0 +1,20 @@
+"""The demo's warm start: same prompt as the RL run, format targets only."""
+
+import random
+from pathlib import Path
+
+from easyvlm.models.warm_start import SYNTHETIC_FORMAT_PROMPT, WARM_STARTS, WarmStartSpec, warm_start_key
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_warm_start_prompt_is_the_demo_format_prompt():
+    # the warm start must see the tokens RL sees: same template text as format_prompts/synthetic.jinja
+    assert (REPO / "format_prompts" / "synthetic.jinja").read_text().strip() == SYNTHETIC_FORMAT_PROMPT
+
+
+def test_cache_key_changes_with_the_recipe():
+    spec = WARM_STARTS["tiny-qwen2.5-vl-synthetic"]
+    other = WarmStartSpec(spec.base, spec.dataset, spec.steps + 1, spec.batch_size, spec.lr, spec.answer_rate)
+    assert warm_start_key(spec) != warm_start_key(other)
+    assert warm_start_key(spec) == warm_start_key(WarmStartSpec(**vars(spec)))
