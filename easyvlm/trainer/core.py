@@ -1,7 +1,8 @@
 """Pure functions the driver loop uses between worker calls (no Ray, no models, no config objects).
 
 - group ids from prompt uids, sequence rewards placed on the last response token;
-- DAPO's online filtering (dynamic sampling): which prompt groups carry a learning signal.
+- DAPO's online filtering (dynamic sampling): which prompt groups carry a learning signal, and
+  the concatenation of the kept samples of several generation rounds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Hashable, Sequence
 
 import torch
 from torch import Tensor
+
+from easyvlm.data.batch import Batch
 
 
 def group_ids_from_uids(uids: Sequence[Hashable]) -> Tensor:
@@ -56,3 +59,26 @@ def rows_of_groups(uids: Sequence[Hashable], keep: Sequence[Hashable]) -> list[i
 def count_tokens(attention_mask: Tensor) -> int:
     """Unpadded tokens (prompt + response) in a batch: the throughput numerator."""
     return int(attention_mask.bool().sum())
+
+
+def concat_rollouts(batches: Sequence[Batch], pad_token_id: int) -> Batch:
+    """Batch.concat of rollout batches of different generation rounds.
+
+    Each round's prompts are left padded to that round's longest prompt (P_i), so the prompt side
+    of ``prompts`` (B, P_i), ``input_ids`` / ``attention_mask`` (B, P_i+T) and ``position_ids``
+    (B, P_i+T) or (B, R, P_i+T) is first left padded to max P_i, with the data collator's values:
+    ``pad_token_id``, False, 0. The response side (T = max_response_length) already agrees.
+    """
+    width = max(b["prompts"].shape[1] for b in batches)
+    fill = {"prompts": pad_token_id, "input_ids": pad_token_id, "attention_mask": False, "position_ids": 0}
+    padded = []
+    for batch in batches:
+        extra = width - batch["prompts"].shape[1]
+        if extra:
+            batch = batch.copy()
+            for key, value in fill.items():
+                if key in batch:
+                    t = batch[key]
+                    batch[key] = torch.cat([t.new_full((*t.shape[:-1], extra), value), t], dim=-1)
+        padded.append(batch)
+    return Batch.concat(padded)

@@ -31,7 +31,7 @@ from easyvlm.rewards.types import RewardResult
 from easyvlm.trainer import core
 from easyvlm.trainer.checkpoint import CheckpointManager, latest_checkpoint, resolve_checkpoint
 from easyvlm.trainer.metrics import reward_metrics, response_metrics, throughput_metrics, timed, val_metrics
-from easyvlm.trainer.tracking import Tracker
+from easyvlm.trainer.tracking import Tracker, data_order_log
 from easyvlm.workers.hybrid import CriticHost, HybridWorker
 
 logger = logging.getLogger("easyvlm")
@@ -72,12 +72,20 @@ class Trainer:
 
         # workers: the reward actor first (it validates the reward files before anything heavy)
         self.reward_actor = create_reward_actor(cfg.worker.reward)
-        self.hybrid = WorkerGroup(
-            "hybrid", resources, partial(HybridWorker, cfg, self.total_steps, derived.use_reference, device)
-        )
-        self.critic = (
-            WorkerGroup("critic", resources, partial(CriticHost, cfg, self.total_steps)) if derived.use_critic else None
-        )
+        self.hybrid: WorkerGroup | None = None
+        self.critic: WorkerGroup | None = None
+        # the critic's rank r shares rank r's device (and CPUs) with the hybrid worker
+        share = 0.5 if derived.use_critic else 1.0
+        try:
+            self.hybrid = WorkerGroup(
+                "hybrid", resources, partial(HybridWorker, cfg, self.total_steps, derived.use_reference, device), share=share
+            )
+            if derived.use_critic:
+                critic = partial(CriticHost, cfg, self.total_steps)
+                self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -92,6 +100,7 @@ class Trainer:
             self.total_steps,
             self.global_step,
         )
+        order_log = data_order_log(Path(self.derived.save_checkpoint_path), self.global_step)
         last_metrics: dict[str, float] = {}
         try:
             if self.global_step == 0 and (cfg.val_before_train or cfg.val_only):
@@ -101,6 +110,8 @@ class Trainer:
                 return last_metrics
             for prompts in self._prompt_batches():
                 self.global_step += 1
+                if order_log is not None:
+                    order_log.log(self.global_step, {"uids": list(prompts["uid"])})
                 metrics = self.train_step(prompts)
                 is_last = self.global_step >= self.total_steps
                 if cfg.val_freq > 0 and (self.global_step % cfg.val_freq == 0 or is_last):
@@ -115,6 +126,8 @@ class Trainer:
                     break
         finally:
             tracker.close()
+            if order_log is not None:
+                order_log.close()
         return last_metrics
 
     def _prompt_batches(self):
@@ -233,7 +246,7 @@ class Trainer:
             n_kept += len(keep)
         metrics["online_filtering/rounds"] = float(tries)
         merged = _concat_results(kept_results)
-        return Batch.concat(kept), merged
+        return core.concat_rollouts(kept, self.train_loader.dataset.pad_token_id), merged
 
     def _refill(self, first: Batch):
         """The step's prompts, then more prompts from the loader for further filtering rounds."""
@@ -318,6 +331,15 @@ class Trainer:
 
     def export_hf(self, path: str) -> None:
         self.hybrid.call_all("export_hf", path)
+
+    def shutdown(self) -> None:
+        """Stop this run's Ray actors and free their resources. Ray itself stays up, so a process
+        can run one trainer after another (the end-to-end tests do)."""
+        for group in (self.critic, self.hybrid):
+            if group is not None:
+                group.shutdown()
+        self.critic = self.hybrid = None
+        ray.kill(self.reward_actor)
 
 
 def _mean_by_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -29,6 +29,7 @@ _FORWARDED_ENV = (
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_LOGGING_LEVEL",
     "PYTHONPATH",
+    "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
 )
 
 
@@ -129,7 +130,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     cpus_per_worker = max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node) if device == "cpu" else 4
     resources = Resources(world_size=derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=device == "cuda")
     trainer = Trainer(cfg, derived, resources, device)
-    metrics = trainer.fit()
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
     print("easyvlm: done. final metrics: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if k.startswith(("val/", "reward/"))))
     return metrics
 

@@ -28,7 +28,7 @@ class JsonlBackend:
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
@@ -36,6 +36,19 @@ class JsonlBackend:
 
     def close(self) -> None:
         self.file.close()
+
+
+# Set (to anything but "" or "0") to write <save_checkpoint_path>/data_order.jsonl: one row per step,
+# {"step": N, "uids": [...]}, the uids of the prompts the data loader handed out for the step. For
+# checking that a resumed run sees the same data as an uninterrupted one.
+DATA_ORDER_ENV = "EASYVLM_LOG_DATA_ORDER"
+
+
+def data_order_log(save_dir: Path, resume_step: int) -> JsonlBackend | None:
+    """The data-order log if ``$EASYVLM_LOG_DATA_ORDER`` asks for it (log with ``{"uids": [...]}``)."""
+    if os.environ.get(DATA_ORDER_ENV, "") in ("", "0"):
+        return None
+    return JsonlBackend(save_dir / "data_order.jsonl", resume_step)
 
 
 class TensorboardBackend:

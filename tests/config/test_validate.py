@@ -255,7 +255,7 @@ def test_files_must_exist_when_asked(tmp_path, monkeypatch):
 def test_example_config_is_valid():
     cfg = load_config([f"config={REPO / 'examples' / 'config.yaml'}"])
     assert find_problems(cfg) == []
-    assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl"
+    assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-synthetic"
     assert (cfg.worker.rollout.n, cfg.worker.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node) == (8, 1, 1)
 
 

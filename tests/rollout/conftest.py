@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rollout_helpers import PROMPTS, make_prompt_batch, noise_image
+from rollout_helpers import default_prompts
 
 from easyvlm.data.batch import Batch
 
@@ -18,7 +18,4 @@ def tiny_processor_and_config(tiny_model_path):
 @pytest.fixture()
 def prompts(tiny_processor_and_config) -> Batch:
     """Three prompts: one image (portrait), two images, text only."""
-    processor, config = tiny_processor_and_config
-    return make_prompt_batch(
-        processor, config, [(text, [noise_image(seed, size) for seed, size in images]) for text, images in PROMPTS]
-    )
+    return default_prompts(*tiny_processor_and_config)

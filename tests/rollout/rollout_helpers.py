@@ -55,25 +55,34 @@ def noise_image(seed: int, size: tuple[int, int] = (56, 84)) -> Image.Image:
     return Image.fromarray(pixels.numpy())
 
 
-def recompute_logprobs(model: Any, rollout: Batch, temperature: float, blocked_token_ids: Sequence[int]) -> torch.Tensor:
-    """What the actor computes: log_softmax(logits / temperature) of the response tokens, blocked ids
-    removed, from one transformers forward over prompt + response with the Batch's (mRoPE) position ids.
+def response_logits(model: Any, rollout: Batch, attend_whole_response: bool = False) -> torch.Tensor:
+    """(B, T, V) float32 logits that predicted each response token: one transformers forward over
+    prompt + response with the Batch's (mRoPE) position ids.
 
-    Returns (B, T) float32.
+    attend_whole_response: attend to the tokens after the first EOS too (what the sampler did with
+    ignore_eos) instead of using the Batch's attention mask.
     """
-    from easyvlm.models.position_ids import to_model_layout
     from easyvlm.data.collate import concat_multi_modal_inputs
+    from easyvlm.models.position_ids import to_model_layout
 
-    mm = concat_multi_modal_inputs(rollout["multi_modal_inputs"])
+    prompt_len = rollout["prompts"].shape[1]
+    attention_mask = rollout["attention_mask"].clone()
+    if attend_whole_response:
+        attention_mask[:, prompt_len:] = True
     with torch.no_grad():
         logits = model(
             input_ids=rollout["input_ids"],
-            attention_mask=rollout["attention_mask"].long(),
+            attention_mask=attention_mask.long(),
             position_ids=to_model_layout(rollout["position_ids"]),
-            **mm,
+            **concat_multi_modal_inputs(rollout["multi_modal_inputs"]),
         ).logits.float()
-    prompt_len = rollout["prompts"].shape[1]
-    logits = logits[:, prompt_len - 1 : -1] / (temperature or 1.0)  # (B, T, V): position t predicts token t
+    return logits[:, prompt_len - 1 : -1]  # position t predicts response token t
+
+
+def recompute_logprobs(model: Any, rollout: Batch, temperature: float, blocked_token_ids: Sequence[int]) -> torch.Tensor:
+    """What the actor computes: log_softmax(logits / temperature) of the response tokens with the
+    blocked ids removed. Returns (B, T) float32."""
+    logits = response_logits(model, rollout) / (temperature or 1.0)
     logits[..., list(blocked_token_ids)] = float("-inf")
     return logits.log_softmax(-1).gather(-1, rollout["responses"].unsqueeze(-1)).squeeze(-1)
 
@@ -84,3 +93,19 @@ PROMPTS = [
     ("Say hi.", []),
 ]
 
+
+
+def default_prompts(processor: Any, model_config: Any) -> Batch:
+    """The PROMPTS above: one image (portrait), two images, text only."""
+    batch = [(text, [noise_image(seed, size) for seed, size in images]) for text, images in PROMPTS]
+    return make_prompt_batch(processor, model_config, batch)
+
+
+def eos_inside(rollout: Batch, eos_token_ids: Sequence[int]) -> int:
+    """Rows with an EOS before the last position and a non-pad token after it (sampling went on)."""
+    responses = rollout["responses"]
+    count = 0
+    for row in responses.tolist():
+        ends = [k for k, token in enumerate(row[:-1]) if token in eos_token_ids]
+        count += bool(ends) and any(token not in eos_token_ids for token in row[ends[0] + 1 :])
+    return count

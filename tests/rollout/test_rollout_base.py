@@ -96,3 +96,14 @@ def test_generate_requires_prompt_keys():
     batch.objects.pop("raw_prompt_ids")
     with pytest.raises(KeyError, match="raw_prompt_ids"):
         echo_engine().generate(batch)
+
+
+def test_fake_engine_tracks_weight_updates_and_sleep():
+    engine = echo_engine()
+    engine.update_weights(iter([("w", torch.zeros(1))]))
+    assert engine.weight_updates == 1
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompt_batch())
+    engine.wake_up()
+    assert len(engine.generate(prompt_batch())) == 4
