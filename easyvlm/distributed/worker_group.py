@@ -112,7 +112,11 @@ class WorkerGroup:
         addr, port = ray.get(probe.node_address.remote())
         ray.kill(probe)
         self.workers = [start(rank, addr, port) for rank in range(self.world_size)]
-        ray.get([w.build.remote(factory) for w in self.workers])
+        try:
+            ray.get([w.build.remote(factory) for w in self.workers])
+        except BaseException:  # free the devices, so that the process can start another run
+            self.shutdown()
+            raise
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get(self.call_all_async(method, *args, **kwargs))
