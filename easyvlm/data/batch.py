@@ -184,7 +184,7 @@ class Batch:
         for i, b in enumerate(batches[1:], 1):
             if set(b.keys()) != keys:
                 raise ValueError(f"Batch.concat: batch {i} has keys {sorted(b.keys())}, batch 0 has {sorted(keys)}")
-        tensors = {k: _cat_padded([b.tensors[k] for b in batches]) for k in batches[0].tensors}
+        tensors = {k: _cat_rows([b.tensors[k] for b in batches]) for k in batches[0].tensors}
         objects = {k: [x for b in batches for x in b.objects[k]] for k in batches[0].objects}
         return Batch(tensors, objects, batches[0].meta)
 
@@ -217,8 +217,8 @@ class Batch:
         return Batch(dict(self.tensors), dict(self.objects), dict(self.meta))
 
 
-def _cat_padded(tensors: list[Tensor]) -> Tensor:
-    """torch.cat on dim 0; tensors differing in the last dim must already agree (no silent padding)."""
+def _cat_rows(tensors: list[Tensor]) -> Tensor:
+    """torch.cat on dim 0; trailing shapes must agree (nothing is padded silently)."""
     shapes = {tuple(t.shape[1:]) for t in tensors}
     if len(shapes) > 1:
         raise ValueError(f"Batch.concat: tensors have different trailing shapes {sorted(shapes)}")

@@ -124,9 +124,6 @@ class WorkerGroup:
     def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         return [w.call.remote(method, *args, **kwargs) for w in self.workers]
 
-    def call_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return ray.get(self.workers[0].call.remote(method, *args, **kwargs))
-
     def dispatch(self, method: str, batch: Batch, **kwargs: Any) -> Batch:
         """Data-parallel call: each rank gets an equal chunk; results are concatenated in order."""
         padded, pad = batch.pad_to_divisor(self.world_size)

@@ -9,11 +9,9 @@ between is pure functions (`easyvlm.algorithms`, `easyvlm.trainer.core`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
-import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -194,10 +192,10 @@ class Trainer:
             update_batch = batch.select(*update_keys, meta=False)
             if self.critic is not None:
                 with timed("update_critic", metrics):
-                    metrics.update(_mean_by_rank(self.critic.dispatch_collect("update_critic", update_batch)))
+                    metrics.update(_rank0_metrics(self.critic.dispatch_collect("update_critic", update_batch)))
             if self.global_step > self.cfg.trainer.critic_warmup:
                 with timed("update_actor", metrics):
-                    metrics.update(_mean_by_rank(self.hybrid.dispatch_collect("update_actor", update_batch)))
+                    metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", update_batch)))
 
         prompt_mask = batch["attention_mask"][:, : batch["prompts"].shape[1]].bool()
         metrics.update(response_metrics(batch["response_mask"].bool(), prompt_mask, self.cfg.data.max_response_length))
@@ -342,8 +340,8 @@ class Trainer:
         ray.kill(self.reward_actor)
 
 
-def _mean_by_rank(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Workers already all-reduce their metrics, so rank 0's are the global ones."""
+def _rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Workers all-reduce their metrics, so every rank holds the global values: take rank 0's."""
     return dict(per_rank[0])
 
 

@@ -80,7 +80,7 @@ class WandbBackend:
 
 
 class ConsoleBackend:
-    """A progress bar over steps with ETA and a few key metrics; full metrics every ``print_every``."""
+    """A progress bar over steps with ETA and a few key metrics; validation metrics printed in full."""
 
     def __init__(self, total_steps: int, start_step: int):
         self.bar = tqdm(total=total_steps, initial=start_step, desc="easyvlm", unit="step", dynamic_ncols=True)

@@ -13,6 +13,8 @@ def test_commit_makes_latest_and_partial_is_invisible(tmp_path):
     mgr = CheckpointManager(tmp_path)
     assert mgr.latest() is None
     save(mgr, 2)
+    # committing moves the partial directory into place: nothing half-written is left beside it
+    assert not (tmp_path / ".global_step_2.partial").exists()
     # a crash mid-save of step 4: the partial dir exists but is never the latest
     (mgr.partial_dir(4) / "actor.bin").write_text("half")
     assert mgr.latest() == tmp_path / "global_step_2"
