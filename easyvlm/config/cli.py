@@ -31,7 +31,7 @@ def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
     problems += load_problems
     problems += find_problems(cfg, check_files=True)
     if problems:
-        _fail(problems)
+        exit_with_problems(problems)
     if print_config:
         sys.stdout.write(to_yaml(cfg))
         sys.stdout.flush()
@@ -55,7 +55,8 @@ def _take_print_flag(argv: Sequence[str]) -> tuple[list[str], bool, list[Problem
     return args, print_config, problems
 
 
-def _fail(problems: list[Problem]) -> NoReturn:
+def exit_with_problems(problems: list[Problem]) -> NoReturn:
+    """Print the problems as a config error and exit with status 2 (no traceback)."""
     sys.stderr.write(f"easyvlm: config error:\n{format_problems(problems)}\n")
     sys.stderr.flush()
     sys.exit(EXIT_CONFIG_ERROR)

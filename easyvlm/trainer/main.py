@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from easyvlm.config.cli import parse_and_validate
+from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.derived import derive
+from easyvlm.config.errors import Problem
 from easyvlm.config.schema import PPOConfig
 from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
 
@@ -81,6 +82,21 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     )
 
 
+def reward_function_problems(cfg: PPOConfig) -> list[Problem]:
+    """Load every reward file and check its function's signature, in the driver, before Ray starts:
+    a missing function or a wrong signature is a config error, not a traceback minutes later."""
+    from easyvlm.rewards.loader import load_reward_function
+    from easyvlm.rewards.manager import RewardSettings
+    from easyvlm.rewards.types import RewardError
+
+    try:
+        for spec in RewardSettings.from_config(cfg.worker.reward).functions:
+            load_reward_function(spec)
+    except RewardError as err:
+        return [Problem("worker.reward", str(err.args[0]))]
+    return []
+
+
 def _abs_path(path: str | None) -> str | None:
     return str(Path(path).resolve()) if path else path
 
@@ -114,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     cfg = parse_and_validate(sys.argv[1:] if argv is None else argv)
     derived = derive(cfg)
     cfg = resolve_paths(cfg)
+    problems = reward_function_problems(cfg)
+    if problems:
+        exit_with_problems(problems)
     derived = dataclasses.replace(derived, save_checkpoint_path=str(Path(derived.save_checkpoint_path).resolve()))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

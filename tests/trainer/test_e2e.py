@@ -408,6 +408,11 @@ def test_export_loads_in_transformers_and_vllm_with_the_actor_weights(resumed_ru
 CONFIG_ERRORS = {
     "unknown_key": (["worker.actor.bogus_key=1"], ["worker.actor.bogus_key", "unknown key"]),
     "bad_estimator": (["algorithm.adv_estimator=bogus"], ["algorithm.adv_estimator", "'bogus'", "grpo", "rloo", "remax", "gae"]),
+    # the file exists (the config check passes) but has no such function: found before Ray starts
+    "missing_reward_function": (
+        ["worker.reward.reward_function=tests/trainer/e2e_reward.py:no_such_function"],
+        ["worker.reward", "e2e_reward.py", "no function 'no_such_function'"],
+    ),
     "indivisible_batch": (
         ["data.rollout_batch_size=6", "worker.actor.global_batch_size=4"],
         ["data.rollout_batch_size", "worker.actor.global_batch_size", "multiple"],
