@@ -156,10 +156,12 @@ def image_factor(processor: Any) -> int:
     return int(image_processor.patch_size) * int(image_processor.merge_size)
 
 
-def vllm_mm_processor_kwargs(min_pixels: int, max_pixels: int) -> dict[str, int]:
+def vllm_mm_processor_kwargs(min_pixels: int, max_pixels: int) -> dict[str, dict[str, int]]:
     """``mm_processor_kwargs`` that make vLLM's Qwen-VL processor leave fitted images unchanged.
 
     vLLM resizes with the model's processor limits unless told otherwise; with the data config's
-    limits, images from :func:`fit_image` are a fixed point and keep their token counts.
+    limits, images from :func:`fit_image` are a fixed point and keep their token counts. The limits
+    go in transformers 5's form, ``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``
+    (pixel counts, despite the names); ``min_pixels=`` / ``max_pixels=`` are deprecated.
     """
-    return {"min_pixels": int(min_pixels), "max_pixels": int(max_pixels)}
+    return {"size": {"shortest_edge": int(min_pixels), "longest_edge": int(max_pixels)}}

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from easyvlm.data.synthetic import PALETTE, SHAPES
 from easyvlm.utils.cache import build_once, cache_root
 
 # Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
@@ -84,6 +85,10 @@ class BuiltinModelSpec:
     min_pixels: int = 28 * 28 * 4
     max_pixels: int = 28 * 28 * 64
     max_position_embeddings: int = 4096
+    # Whole-word tokens added after the special tokens. A real BPE vocabulary has single tokens
+    # for common words; a byte-only one spells every answer over several tokens, and RL then
+    # pushes down the spelling of wrong answers along with the choice (it garbles the words).
+    word_tokens: tuple[str, ...] = ()
     seed: int = 0
     description: str = ""
 
@@ -102,7 +107,23 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
         vision_intermediate_size=128,
         vision_num_heads=4,
         vision_fullatt_block_indexes=(1,),
-        description="tests and the CPU demo",
+        description="tests",
+    ),
+    # The demo's base: the tiny model with the synthetic task's answer words as single tokens.
+    "tiny-qwen2.5-vl-words": BuiltinModelSpec(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mrope_section=(4, 6, 6),
+        vision_depth=2,
+        vision_hidden_size=64,
+        vision_intermediate_size=128,
+        vision_num_heads=4,
+        vision_fullatt_block_indexes=(1,),
+        word_tokens=(*PALETTE, *SHAPES),
+        description="the CPU demo's base model (answer words are single tokens)",
     ),
     # Benchmarks: the same architecture at ~40 M parameters.
     "bench-qwen2.5-vl": BuiltinModelSpec(
@@ -145,8 +166,14 @@ def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
 
     if name in WARM_STARTS:  # the key changes with the recipe, so a changed recipe rebuilds
         return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{warm_start_key(WARM_STARTS[name])}"
-    get_builtin_spec(name)
-    return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}"
+    return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{spec_key(get_builtin_spec(name))}"
+
+
+def spec_key(spec: BuiltinModelSpec) -> str:
+    """A short hash of a spec, part of the cache path: an edited spec never loads a stale build."""
+    import hashlib
+
+    return hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
 
 
 def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLike | None = None) -> Path:
@@ -219,10 +246,11 @@ def _download_from_hub(repo_id: str) -> str:
 # Building
 
 
-def build_tokenizer():
+def build_tokenizer(word_tokens: tuple[str, ...] = ()):
     """Byte-level BPE (256 byte tokens, no merges) + Qwen special tokens, as PreTrainedTokenizerFast.
 
-    Ids: bytes 0..255 in the order of ``ByteLevel.alphabet()`` sorted, then SPECIAL_TOKENS.
+    Ids: bytes 0..255 in the order of ``ByteLevel.alphabet()`` sorted, then SPECIAL_TOKENS, then
+    ``word_tokens`` (plain ASCII words, matched anywhere in the text as one token each).
     eos = ``<|im_end|>`` (ends an assistant turn), pad = ``<|endoftext|>``, no bos (as Qwen).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -236,6 +264,10 @@ def build_tokenizer():
     tok.decoder = decoders.ByteLevel()
     # Registered here, in SPECIAL_TOKENS order, so their ids are 256, 257, ... on every build.
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    for word in word_tokens:  # the byte-level decoder maps printable ASCII to itself
+        if not (word.isascii() and word.isalnum()):
+            raise ValueError(f"word token {word!r}: only ASCII letters and digits decode unchanged")
+    tok.add_tokens(list(word_tokens))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -261,7 +293,7 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
         Qwen2VLVideoProcessor,
     )
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.word_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     unk = tokenizer.unk_token_id
     missing = [t for t, i in ids.items() if i is None or i == unk]

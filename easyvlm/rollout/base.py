@@ -7,6 +7,12 @@ exactly the same keys, shapes and order.
 Sampling comes from the config (``worker.rollout``: n, temperature, top_p, top_k, ignore_eos;
 ``data.max_response_length``) and can be overridden per call, e.g. greedy validation with
 ``generate(batch, n=1, temperature=0)`` (``worker.rollout.val_override_config``).
+
+Seeded sampling: a prompt Batch may carry an int per prompt under ``SEED_KEY`` (the trainer derives
+them from ``worker.rollout.seed``, the step and the prompt's place in it: :func:`prompt_seeds`).
+Sample j of a prompt then draws its noise from its own seed, ``request_seed(prompt_seed, j)``, so
+what it samples does not depend on what the engine generated before: a resumed run samples what an
+uninterrupted one did. Without the key, engines sample from their own seeded RNG stream.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 from torch import Tensor
 
 from easyvlm.data.batch import Batch
@@ -23,6 +30,25 @@ from easyvlm.rollout.postprocess import build_rollout_batch
 
 # What a prompt Batch must hold (see easyvlm/data/batch.py and the data pipeline).
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
+# Optional object key of a prompt Batch: one int seed per prompt (seeded sampling).
+SEED_KEY = "sampling_seed"
+
+
+def mix_seeds(*values: int) -> int:
+    """A 63-bit seed from non-negative ints (numpy's SeedSequence hashing: nearby inputs give
+    unrelated seeds)."""
+    return int(np.random.SeedSequence([int(v) for v in values]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def prompt_seeds(seed: int, key: tuple[int, ...], count: int) -> list[int]:
+    """``count`` prompt seeds for one generation call identified by ``key``, e.g. (step, round).
+    Prompt i gets ``mix_seeds(seed, *key, i)``; different keys give unrelated seeds."""
+    return [mix_seeds(seed, *key, i) for i in range(count)]
+
+
+def request_seed(prompt_seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` (j < n) of the prompt seeded ``prompt_seed``."""
+    return mix_seeds(prompt_seed, sample_index)
 
 
 @dataclass(frozen=True)
@@ -120,19 +146,27 @@ class RolloutEngine(ABC):
         ``attention_mask`` (B*n, P+T), ``position_ids`` (B*n, P+T) or (B*n, R, P+T), and every other
         key of ``batch`` repeated. T = max_response_length. ``rollout_logprobs`` are the log-probs
         of the distribution sampled from: logits / temperature with blocked tokens removed (and
-        top-k / top-p applied), 0 after the end of each response.
+        top-k / top-p applied), 0 after the end of each response. With ``batch[SEED_KEY]`` (an
+        int per prompt) sampling is seeded per request (see the module docstring).
         """
         sampling = self.sampling.override(SamplingOverrides.from_mapping(overrides), self.response_length)
         batch.require(*PROMPT_KEYS)
         prompts = batch.repeat(sampling.n, interleave=True)
-        responses, logprobs = self._sample(prompts, sampling)
+        seeds = None
+        if SEED_KEY in prompts and not sampling.greedy:  # row i*n+j is sample j of prompt i
+            seeds = [request_seed(s, row % sampling.n) for row, s in enumerate(prompts[SEED_KEY])]
+        responses, logprobs = self._sample(prompts, sampling, seeds)
         return build_rollout_batch(
             prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
         )
 
     @abstractmethod
-    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(
+        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """One response per row of ``prompts`` (already repeated n times; sample with n = 1 each).
+
+        seeds: one per row (seeded sampling), or None: the engine's own RNG stream.
 
         Returns (token ids, log-prob of each token) per row, in row order, each at most
         ``sampling.max_tokens`` long and ending at the first EOS unless ``sampling.ignore_eos``.

@@ -39,7 +39,9 @@ class FakeRolloutEngine(RolloutEngine):
         self.weight_updates = 0
         self.awake = True
 
-    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(
+        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
         if not self.awake:
             raise RuntimeError("FakeRolloutEngine.generate called while asleep; call wake_up() first")
         input_ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.loading import is_vision_language_config
-from easyvlm.rollout.base import RolloutEngine, Sampling
+from easyvlm.rollout.base import RolloutEngine, Sampling, mix_seeds
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -96,7 +96,16 @@ class HFRolloutEngine(RolloutEngine):
         )
 
     @torch.no_grad()
-    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(
+        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        if seeds is not None:
+            # generate() draws all rows from one RNG: seed it from all the rows' seeds, so the same
+            # call samples the same tokens (given the same micro-batches), whatever came before
+            devices = [torch.device(self.device)] if self.device != "cpu" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(mix_seeds(*seeds))
+                return self._sample_chunks(prompts, sampling)
         if self.device != "cpu":  # GPUs: the device's global RNG (seeded by the trainer)
             return self._sample_chunks(prompts, sampling)
         # Sample from the engine's RNG stream without disturbing the caller's (e.g. the actor's).

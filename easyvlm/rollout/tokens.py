@@ -36,7 +36,14 @@ def blocked_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
     unk = getattr(tokenizer, "unk_token_id", None)
     vocab = tokenizer.get_vocab()
     blocked.update(vocab[token] for token in VISION_TOKENS if token in vocab and vocab[token] != unk)
-    blocked.update(range(len(tokenizer), model_vocab_size(model_config)))
+    rows = model_vocab_size(model_config)
+    if len(tokenizer) < rows // 2:
+        # e.g. transformers 5 builds an EMPTY tokenizer (1 token) from a directory without tokenizer files
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's LM head has {rows} rows: it is not this "
+            f"model's tokenizer (a model directory without tokenizer files?); set worker.actor.model.tokenizer_path"
+        )
+    blocked.update(range(len(tokenizer), rows))
     return sorted(blocked)
 
 

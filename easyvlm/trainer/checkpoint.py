@@ -7,6 +7,12 @@ Layout under ``save_dir`` (EasyR1's names, so its tooling finds them)::
         COMPLETE                     written last, before the rename
     latest_checkpointed_iteration.txt
 
+With ``trainer.save_model_only`` a checkpoint holds only ``actor/huggingface/`` (the policy in
+Hugging Face format, loadable by transformers and vLLM) and ``COMPLETE`` (which records
+``"model_only": true``): no optimizer, scheduler, critic, data-loader or RNG state, so training
+cannot resume from it. Resuming from one (automatically or via ``load_checkpoint_path``) raises a
+`CheckpointError` that says how to start a new run from its weights instead.
+
 Atomicity: everything is written into ``.global_step_<N>.partial`` and renamed to ``global_step_<N>``
 only when complete, then the pointer file is replaced (write + ``os.replace``). A crash at any moment
 leaves either the previous checkpoint as latest or the new one, never a half-written one; leftover
@@ -22,6 +28,7 @@ import shutil
 from pathlib import Path
 
 POINTER = "latest_checkpointed_iteration.txt"
+HF_EXPORT_DIR = "actor/huggingface"  # inside a checkpoint: the policy in Hugging Face format
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -44,10 +51,11 @@ class CheckpointManager:
         path.mkdir(parents=True)
         return path
 
-    def commit(self, step: int, score: float | None = None) -> Path:
-        """Mark ``step`` complete, make it the latest, prune old ones. ``score``: higher is better."""
+    def commit(self, step: int, score: float | None = None, model_only: bool = False) -> Path:
+        """Mark ``step`` complete, make it the latest, prune old ones. ``score``: higher is better.
+        ``model_only``: the checkpoint holds only the Hugging Face export (``trainer.save_model_only``)."""
         partial = self.save_dir / f".global_step_{step}.partial"
-        (partial / "COMPLETE").write_text(json.dumps({"step": step, "score": score}))
+        (partial / "COMPLETE").write_text(json.dumps({"step": step, "score": score, "model_only": model_only}))
         final = self.save_dir / f"global_step_{step}"
         if final.exists():  # re-saving a step after a resume: the new one replaces it
             shutil.rmtree(final)
@@ -65,8 +73,7 @@ class CheckpointManager:
         return latest_checkpoint(self.save_dir)
 
     def _score(self, step: int) -> float | None:
-        info = json.loads((self.save_dir / f"global_step_{step}" / "COMPLETE").read_text())
-        return info.get("score")
+        return checkpoint_info(self.save_dir / f"global_step_{step}").get("score")
 
     def _prune(self) -> None:
         if self.save_limit <= 0:
@@ -93,6 +100,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(
         f"trainer.load_checkpoint_path={str(path)!r} is not a complete checkpoint: expected a "
         f"global_step_<N> directory containing COMPLETE, or a directory holding such checkpoints"
+    )
+
+
+def checkpoint_info(path: Path) -> dict:
+    """What ``COMPLETE`` of the checkpoint ``path`` records: step, score, model_only."""
+    return json.loads((path / "COMPLETE").read_text())
+
+
+def check_resumable(path: Path) -> None:
+    """Raise `CheckpointError` if the checkpoint ``path`` cannot resume training (model only)."""
+    if not checkpoint_info(path).get("model_only", False):
+        return
+    export = path / HF_EXPORT_DIR
+    raise CheckpointError(
+        f"cannot resume from {path}: it was saved with trainer.save_model_only=true and holds only the model "
+        f"({export}), no optimizer, data-loader or RNG state. To train on from its weights, start a new run "
+        f"with worker.actor.model.model_path={export} and another trainer.save_checkpoint_path (or "
+        f"trainer.find_last_checkpoint=false); to start over, remove the checkpoint or set "
+        f"trainer.find_last_checkpoint=false"
     )
 
 

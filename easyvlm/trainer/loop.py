@@ -26,14 +26,24 @@ from easyvlm.data.batch import Batch
 from easyvlm.distributed.worker_group import Resources, WorkerGroup
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
 from easyvlm.rewards.types import RewardResult
+from easyvlm.rollout.base import SEED_KEY, prompt_seeds
 from easyvlm.trainer import core
-from easyvlm.trainer.checkpoint import CheckpointManager, latest_checkpoint, resolve_checkpoint
+from easyvlm.trainer.checkpoint import (
+    HF_EXPORT_DIR,
+    CheckpointManager,
+    check_resumable,
+    latest_checkpoint,
+    resolve_checkpoint,
+)
 from easyvlm.trainer.metrics import reward_metrics, response_metrics, throughput_metrics, timed, val_metrics
 from easyvlm.trainer.tracking import Tracker, data_order_log
+from easyvlm.workers.actor import update_is_on_policy
 from easyvlm.workers.hybrid import CriticHost, HybridWorker
 
 logger = logging.getLogger("easyvlm")
 
+# the kinds of generation calls, part of their sampling seeds (Trainer._seeded)
+TRAIN_CALL, VAL_CALL = 0, 1
 # keys the actor / critic updates read; everything else stays in the driver
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 
@@ -150,10 +160,13 @@ class Trainer:
                 with timed("gen_baseline", metrics):
                     batch["baseline_rewards"] = self._greedy_baseline(prompts, batch)
 
-            # 2. old log-probs, ref log-probs, values: the reward actor works meanwhile
+            # 2. old log-probs, ref log-probs, values: the reward actor works meanwhile. An on-policy
+            # update (one PPO epoch, one mini-batch, no KL in the reward) needs no old log-probs: the
+            # actor uses its update's own forward pass, detached (then no timing_s/old is logged)
             model_inputs = batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)
-            with timed("old", metrics):
-                batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs))
+            if not update_is_on_policy(self.derived.actor.optimizer_steps_per_step, self.derived.kl_in_reward):
+                with timed("old", metrics):
+                    batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs))
             if self.derived.use_reference:
                 with timed("ref", metrics):
                     batch = batch.union(self.hybrid.dispatch("compute_ref_logprobs", model_inputs))
@@ -209,7 +222,7 @@ class Trainer:
         """Rollout batch and its reward (a Ray ref, or the result itself when filtering needed it)."""
         algo = self.cfg.algorithm
         if not algo.online_filtering:
-            batch = self.hybrid.dispatch("generate", prompts)
+            batch = self.hybrid.dispatch("generate", self._seeded(prompts, TRAIN_CALL, self.global_step, 0))
             inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
             return batch, self.reward_actor.compute.remote(inputs)
 
@@ -229,7 +242,7 @@ class Trainer:
                     f"'{algo.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
-            batch = self.hybrid.dispatch("generate", next(iterator))
+            batch = self.hybrid.dispatch("generate", self._seeded(next(iterator), TRAIN_CALL, self.global_step, tries))
             result = ray.get(self.reward_actor.compute.remote(build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)))
             if algo.filter_key not in result.scores:
                 raise OnlineFilterError(
@@ -245,6 +258,17 @@ class Trainer:
         metrics["online_filtering/rounds"] = float(tries)
         merged = _concat_results(kept_results)
         return core.concat_rollouts(kept, self.train_loader.dataset.pad_token_id), merged
+
+    def _seeded(self, prompts: Batch, *call: int) -> Batch:
+        """``prompts`` with a sampling seed per prompt, derived from worker.rollout.seed and the
+        generation call (kind, step, round or batch), when worker.rollout.per_request_seed is on:
+        a resumed run then samples exactly what an uninterrupted run did. Off: the engine's stream."""
+        rollout = self.cfg.worker.rollout
+        if not rollout.per_request_seed:
+            return prompts
+        prompts = prompts.copy()
+        prompts[SEED_KEY] = prompt_seeds(rollout.seed, call, len(prompts))
+        return prompts
 
     def _refill(self, first: Batch):
         """The step's prompts, then more prompts from the loader for further filtering rounds."""
@@ -267,8 +291,8 @@ class Trainer:
         overrides = dict(self.cfg.worker.rollout.val_override_config)
         scores: dict[str, list[float]] = {}
         samples = []
-        for prompts in self.val_loader:
-            batch = self.hybrid.dispatch("generate", prompts, **overrides)
+        for index, prompts in enumerate(self.val_loader):
+            batch = self.hybrid.dispatch("generate", self._seeded(prompts, VAL_CALL, self.global_step, index), **overrides)
             inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
             result: RewardResult = ray.get(self.reward_actor.compute.remote(inputs))
             for key, values in result.scores.items():
@@ -291,6 +315,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, score: float | None) -> Path:
         path = self.ckpt.partial_dir(self.global_step)
+        if self.cfg.trainer.save_model_only:  # the policy in HF format only; no resumable state
+            self.hybrid.call_all("export_hf", str(path / HF_EXPORT_DIR))
+            return self.ckpt.commit(self.global_step, score, model_only=True)
         self.hybrid.call_all("save_checkpoint", str(path), True)
         if self.critic is not None:
             self.critic.call_all("save_checkpoint", str(path))
@@ -315,6 +342,7 @@ class Trainer:
             path = None
         if path is None:
             return
+        check_resumable(path)
         logger.warning("easyvlm: resuming from %s", path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.hybrid.call_all("load_checkpoint", str(path))

@@ -12,6 +12,11 @@ Update (``update_policy``), per ``ppo_epochs`` pass over the rank's samples, per
    (counted in ``actor/skipped_steps``); AdamW step.
 
 The learning-rate scheduler advances once per ``update_policy`` call (one trainer step).
+
+On-policy updates (``update_is_on_policy``: one PPO epoch, one mini-batch per step) may leave
+``old_logprobs`` out of the batch: the policy that samples is then the policy of the update's only
+forward pass, so the actor takes that pass's log-probs, detached, as the old ones (every ratio is 1
+at the start, as in TRL's GRPOTrainer) and the trainer saves a forward pass over the whole batch.
 """
 
 from __future__ import annotations
@@ -59,9 +64,18 @@ from easyvlm.workers.training import (
 
 logger = logging.getLogger(__name__)
 
-UPDATE_KEYS = (
-    "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_logprobs", "advantages"
-)
+UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
+
+
+def update_is_on_policy(optimizer_steps_per_step: int, kl_in_reward: bool) -> bool:
+    """Whether a trainer step may skip computing ``old_logprobs`` (a forward pass over the batch).
+
+    True when the actor takes one optimizer step per trainer step (``ppo_epochs == 1`` and one
+    mini-batch: ``Derived.actor.optimizer_steps_per_step == 1``), so its only forward pass runs with
+    the weights that sampled the batch, and nothing reads ``old_logprobs`` before the update (the KL
+    penalty in the reward does: ``Derived.kl_in_reward``).
+    """
+    return optimizer_steps_per_step == 1 and not kl_in_reward
 
 
 class ActorWorker:
@@ -158,8 +172,10 @@ class ActorWorker:
     def update_policy(self, batch: Batch) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches over this rank's samples; returns metrics.
 
-        batch: the compute_logprobs inputs plus ``response_mask`` (B, T) bool, ``old_logprobs``,
-        ``advantages`` (B, T) and, with the KL loss, ``ref_logprobs`` (B, T).
+        batch: the compute_logprobs inputs plus ``response_mask`` (B, T) bool, ``advantages`` (B, T),
+        ``old_logprobs`` (B, T) (optional for an on-policy update: one PPO epoch, one mini-batch;
+        then the detached log-probs of the update's forward pass) and, with the KL loss,
+        ``ref_logprobs`` (B, T).
         Metrics (same value on every rank): actor/pg_loss, actor/kl_loss (KL loss on),
         actor/entropy_loss, actor/ppo_kl, actor/pg_clipfrac_higher, actor/pg_clipfrac_lower,
         actor/pg_clipfrac_dual, actor/grad_norm (mean over the steps taken), actor/lr,
@@ -167,6 +183,13 @@ class ActorWorker:
         """
         batch.require(*UPDATE_KEYS, *(("ref_logprobs",) if self.use_kl_loss else ()))
         check_same_batch_size(len(batch), self.device, "ActorWorker.update_policy")
+        if "old_logprobs" not in batch and (self.config.ppo_epochs > 1 or len(batch) > self.mini_batch_size):
+            raise ValueError(
+                f"ActorWorker.update_policy: the batch has no 'old_logprobs', which only an on-policy update "
+                f"may leave out, but worker.actor.ppo_epochs={self.config.ppo_epochs} and this rank's "
+                f"{len(batch)} samples make {-(-len(batch) // self.mini_batch_size)} mini-batches of "
+                f"{self.mini_batch_size}; compute them first (ActorWorker.compute_logprobs)"
+            )
         self._ensure_loaded()
         self.model.train()
         history: dict[str, list[float]] = defaultdict(list)
@@ -202,9 +225,11 @@ class ActorWorker:
             logprobs, entropy = policy_logprobs(
                 self.model, micro, temperature=self.temperature, with_entropy=True, **self._forward_kwargs()
             )
+            # on-policy without old_logprobs: this pass runs with the sampling weights (see update_policy)
+            old_logprobs = micro["old_logprobs"].to(self.device) if "old_logprobs" in micro else logprobs.detach()
             inputs = PolicyLossInputs(
                 logprobs=logprobs,
-                old_logprobs=micro["old_logprobs"].to(self.device),
+                old_logprobs=old_logprobs,
                 advantages=micro["advantages"].to(self.device),
                 response_mask=mask,
                 clip_ratio_low=cfg.clip_ratio_low,

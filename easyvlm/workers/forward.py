@@ -5,12 +5,20 @@ Indexing. A row is ``prompt (P, left padded) + response (T, right padded)``, L =
 at position P - 1 + t predicts response token t, so the log-prob of ``responses[:, t]`` (and the
 critic's value of the state before it) is read at position P - 1 + t. Response positions whose
 token or predecessor is not attended (padding) are "invalid" and get 0.
+
+Blocked tokens. The rollout never samples the ids of ``easyvlm.rollout.tokens.blocked_token_ids``
+(vision placeholders, padded LM-head rows): it samples from softmax over the other ids, and
+reports those log-probs. The actor and the reference model compute the same distribution: the
+logits of the blocked ids are -inf before the log-softmax (and the entropy), so old, current and
+rollout log-probs describe one policy. The ids come from the model's config and tokenizer.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +28,8 @@ from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.padding_free import pack_inputs
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,10 +158,63 @@ def scatter_response(values: Tensor, valid: Tensor) -> Tensor:
     return out
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[label]. logits (K, V), labels (K,) -> (K,) float32."""
-    logits = logits.float() / temperature
+def sampling_logits(logits: Tensor, temperature: float, blocked_token_ids: Sequence[int]) -> Tensor:
+    """The rollout's sampling distribution as logits: (K, V) -> (K, V) float32, logits / temperature
+    with the columns ``blocked_token_ids`` at -inf. A new tensor; differentiable."""
+    scaled = logits.float() / temperature  # always a new tensor, so filling it in place is safe
+    if len(blocked_token_ids):
+        ids = torch.as_tensor(list(blocked_token_ids), dtype=torch.long, device=logits.device)
+        scaled.index_fill_(-1, ids, float("-inf"))  # in place: one (K, V) copy, not two
+    return scaled
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[label]. logits (K, V) float, labels (K,) -> (K,)."""
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+_BLOCKED_CACHE: dict[tuple[str, int], tuple[int, ...]] = {}
+# files of a saved tokenizer: transformers 5 builds an EMPTY tokenizer from a directory without them
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def model_blocked_token_ids(model: nn.Module) -> tuple[int, ...]:
+    """The ids the rollout blocks for ``model`` (``easyvlm.rollout.tokens.blocked_token_ids``),
+    from its config and the tokenizer saved beside it (``model.name_or_path``); cached per model
+    directory. If that directory has no tokenizer (``model.tokenizer_path`` elsewhere), only the
+    vision placeholder ids of the config are blocked, with a warning: pass ``blocked_token_ids``
+    to :func:`policy_logprobs` explicitly then."""
+    from easyvlm.rollout.tokens import VISION_TOKEN_ID_FIELDS, blocked_token_ids, model_vocab_size
+
+    config = model.config
+    path = str(getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", ""))
+    vocab_size = model_vocab_size(config)
+    key = (path, vocab_size)
+    if key in _BLOCKED_CACHE:
+        return _BLOCKED_CACHE[key]
+    tokenizer = _tokenizer_beside(path)
+    if tokenizer is None:
+        logger.warning(
+            "no tokenizer beside the model at %r: the actor/reference log-probs mask only the vision token ids "
+            "of the model config, not the padded LM-head rows the rollout also blocks", path,
+        )
+        ids = tuple(sorted({int(getattr(config, f)) for f in VISION_TOKEN_ID_FIELDS if getattr(config, f, None) is not None}))
+    else:
+        ids = tuple(blocked_token_ids(tokenizer, config))  # raises if the tokenizer does not fit the model
+    _BLOCKED_CACHE[key] = ids
+    return ids
+
+
+def _tokenizer_beside(path: str) -> Any | None:
+    """The tokenizer saved at ``path`` (a local directory or hub id), None if there is none."""
+    from transformers import AutoTokenizer
+
+    if not path or (Path(path).is_dir() and not any((Path(path) / f).exists() for f in _TOKENIZER_FILES)):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
 
 
 def token_lengths(batch: Batch) -> list[int]:
@@ -216,19 +279,24 @@ def policy_logprobs(
     padding_free: bool,
     device: torch.device,
     dummy_image: DummyImage | None,
+    blocked_token_ids: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """(B, T) log-probs of ``responses`` under softmax(logits / temperature), 0 at padding, and,
-    if asked, the (B, T) entropies of those distributions. Differentiable."""
+    """(B, T) log-probs of ``responses`` under softmax(logits / temperature) over the ids the
+    rollout may sample, 0 at padding, and, if asked, the (B, T) entropies of those distributions.
+    Differentiable. blocked_token_ids: None = :func:`model_blocked_token_ids` of ``model``."""
     from easyvlm.algorithms.entropy import entropy_from_logits
 
+    if blocked_token_ids is None:
+        blocked_token_ids = model_blocked_token_ids(model)
     logits, valid = outputs_with_vision(
         model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image
     )  # (K, V)
+    logits = sampling_logits(logits, temperature, blocked_token_ids)  # (K, V) float32
     labels = batch["responses"].to(device)[valid]  # (K,)
-    logprobs = scatter_response(logprobs_from_logits(logits, labels, temperature), valid)
+    logprobs = scatter_response(logprobs_from_logits(logits, labels), valid)
     if not with_entropy:
         return logprobs, None
-    return logprobs, scatter_response(entropy_from_logits(logits.float() / temperature), valid)
+    return logprobs, scatter_response(entropy_from_logits(logits), valid)
 
 
 @torch.no_grad()
@@ -243,6 +311,7 @@ def policy_logprobs_for_batch(
     padding_free: bool,
     device: torch.device,
     dummy_image: DummyImage | None,
+    blocked_token_ids: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
     from easyvlm.workers.training import equalize_micro_batches
@@ -252,7 +321,7 @@ def policy_logprobs_for_batch(
     for micro, is_dummy in equalize_micro_batches(micro_batches(batch, micro_batch_size, budget), device):
         lp, ent = policy_logprobs(
             model, micro, temperature=temperature, with_entropy=with_entropy,
-            padding_free=padding_free, device=device, dummy_image=dummy_image,
+            padding_free=padding_free, device=device, dummy_image=dummy_image, blocked_token_ids=blocked_token_ids,
         )
         if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
             logprobs.append(lp.cpu())

@@ -8,7 +8,6 @@ is handed back) and wakes before the next sync; on the CPU these are no-ops.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -27,9 +26,6 @@ class HybridWorker:
 
         from easyvlm.data.images import vllm_mm_processor_kwargs
 
-        # transformers 5.19 warns on every vLLM image call that min/max_pixels become `size` in 5.23;
-        # one warning per step drowns the progress bar. Remove when vllm_mm_processor_kwargs moves to `size`.
-        warnings.filterwarnings("ignore", message="Passing `min_pixels` and `max_pixels`", category=FutureWarning)
         self.rank, self.world_size = init_distributed()
         actor_cfg, rollout_cfg, data_cfg = cfg.worker.actor, cfg.worker.rollout, cfg.data
         self.actor = ActorWorker(

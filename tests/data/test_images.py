@@ -137,7 +137,9 @@ def test_processor_keeps_fitted_images_and_token_count(processor, width, height)
 
 
 def test_vllm_mm_processor_kwargs_carry_the_data_limits():
-    assert vllm_mm_processor_kwargs(MIN_PIXELS, MAX_PIXELS) == {"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
+    # transformers 5's form (pixel counts under size); min_pixels= / max_pixels= are deprecated
+    expected = {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
+    assert vllm_mm_processor_kwargs(MIN_PIXELS, MAX_PIXELS) == expected
 
 
 def test_png_bytes_roundtrip_through_dict():

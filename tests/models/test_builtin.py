@@ -18,6 +18,7 @@ from easyvlm.models.builtin import (
     SPECIAL_TOKENS,
     ModelNotFoundError,
     build_model,
+    build_tokenizer,
     materialize_model,
     resolve_model_path,
 )
@@ -231,3 +232,33 @@ def test_resolve_hub_id_offline_explains():
 def test_resolve_missing_local_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="is not a directory"):
         resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_word_tokens_are_single_ids_after_the_special_tokens_and_decode_unchanged():
+    tok = build_tokenizer(("red", "circle"))
+    # ids: 256 bytes, then the 8 special tokens (256..263), then the words in order: 264, 265
+    assert len(tok) == 256 + len(SPECIAL_TOKENS) + 2
+    assert tok("red", add_special_tokens=False)["input_ids"] == [256 + len(SPECIAL_TOKENS)]
+    assert tok("circle", add_special_tokens=False)["input_ids"] == [256 + len(SPECIAL_TOKENS) + 1]
+    # inside other text too, and the byte-level decoder gives the text back
+    text = "How many red shapes? circles"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tok.convert_tokens_to_ids("red")) == 1 and ids.count(tok.convert_tokens_to_ids("circle")) == 1
+    assert tok.decode(ids) == text
+    # a plain byte tokenizer spells the word: 3 ids
+    assert len(build_tokenizer()("red", add_special_tokens=False)["input_ids"]) == 3
+
+
+def test_word_tokens_reject_what_the_byte_decoder_would_change():
+    with pytest.raises(ValueError, match="'dark red'"):
+        build_tokenizer(("dark red",))
+
+
+def test_cache_path_changes_with_the_spec():
+    import dataclasses
+
+    from easyvlm.models.builtin import spec_key
+
+    spec = BUILTIN_MODELS["tiny-qwen2.5-vl"]
+    assert spec_key(spec) == spec_key(dataclasses.replace(spec))
+    assert spec_key(spec) != spec_key(dataclasses.replace(spec, word_tokens=("red",)))

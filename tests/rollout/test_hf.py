@@ -104,6 +104,22 @@ def test_seeded_stream_is_private_and_reproducible(tiny_model_path, engine, prom
     torch.testing.assert_close(fresh.generate(prompts, max_tokens=4)["responses"], first)
 
 
+def test_seeded_calls_repeat_per_step(engine, prompts):
+    from easyvlm.rollout.base import SEED_KEY, prompt_seeds
+
+    def seeded(step):
+        batch = prompts.copy()
+        batch[SEED_KEY] = prompt_seeds(1, (0, step, 0), len(batch))
+        return batch
+
+    rng = torch.random.get_rng_state()
+    first = engine.generate(seeded(3), max_tokens=4)["responses"]
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's RNG is untouched
+    engine.generate(prompts, max_tokens=4)  # moves the engine's own stream
+    torch.testing.assert_close(engine.generate(seeded(3), max_tokens=4)["responses"], first)
+    assert not torch.equal(engine.generate(seeded(4), max_tokens=4)["responses"], first)
+
+
 def test_update_weights(engine, model, prompts, tiny_model_path):
     perturbed = AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     torch.manual_seed(0)

@@ -33,6 +33,15 @@ def test_blocked_ids_include_padded_lm_head_rows(tokenizer_and_config):
     assert blocked[:-3] == blocked_token_ids(tokenizer, config)
 
 
+def test_a_tokenizer_of_another_model_is_refused(tokenizer_and_config, tmp_path):
+    _, config = tokenizer_and_config
+    config.save_pretrained(tmp_path)
+    empty = AutoTokenizer.from_pretrained(tmp_path)  # transformers 5: no tokenizer files -> 1 token, no error
+    assert len(empty) == 1
+    with pytest.raises(ValueError, match="tokenizer has 1 tokens but the model's LM head has"):
+        blocked_token_ids(empty, config)
+
+
 def test_eos_needs_some_source():
     class NoEos:
         eos_token_id = None

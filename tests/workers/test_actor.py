@@ -98,12 +98,18 @@ def _reference_update(model_dir, batch, mini_batch_size, lr, max_grad_norm, loss
 
 
 def _differentiable_logprobs(model, batch):
+    from transformers import AutoTokenizer
+
     from easyvlm.data.collate import concat_multi_modal_inputs
+    from easyvlm.rollout.tokens import blocked_token_ids
 
     B, T = batch["responses"].shape
     mm = concat_multi_modal_inputs(batch["multi_modal_inputs"])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"].transpose(0, 1), **mm).logits
+    # the ids the rollout never samples are not part of the policy's distribution
+    blocked = blocked_token_ids(AutoTokenizer.from_pretrained(model.name_or_path), model.config)
+    logits = logits.index_fill(-1, torch.tensor(blocked), float("-inf"))
     logp = torch.log_softmax(logits[:, -T - 1 : -1] / TEMPERATURE, -1)  # positions P-1 .. P+T-2
     return logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
 

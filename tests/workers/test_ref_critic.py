@@ -95,8 +95,10 @@ def test_critic_values_and_update(process_group, tiny_model_path, batch, padding
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_text_only_model_through_the_workers(process_group, tmp_path, padding_free):
     # Qwen2 (1-D position ids, no vision tower, AutoModelForTokenClassification critic)
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
     from workers_testing import build_tiny_qwen2, make_text_batch
+
+    from easyvlm.rollout.tokens import blocked_token_ids
 
     from easyvlm.workers.actor import ActorWorker
 
@@ -110,6 +112,10 @@ def test_text_only_model_through_the_workers(process_group, tmp_path, padding_fr
     with torch.no_grad():  # padded reference: logits at P-1 .. P+T-2
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        position_ids=batch["position_ids"]).logits[:, -T - 1 : -1] / 0.9
+    # without the ids the rollout never samples (here: LM-head rows beyond the tokenizer's vocabulary)
+    blocked = blocked_token_ids(AutoTokenizer.from_pretrained(model_dir), model.config)
+    assert blocked  # else the masking is not exercised
+    logits[..., blocked] = float("-inf")
     expected = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
     torch.testing.assert_close(logprobs[mask], expected[mask])
 

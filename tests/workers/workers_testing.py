@@ -106,9 +106,16 @@ def reference_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.T
     """Independent (B, T) log-probs and entropies: one unpadded transformers forward per sample.
 
     Response token t of sample b is predicted by the logits at position p_b - 1 + t of the
-    unpadded sequence (p_b = its prompt tokens). 0 where response_mask is False.
+    unpadded sequence (p_b = its prompt tokens). The ids the rollout never samples
+    (``easyvlm.rollout.tokens.blocked_token_ids`` of the model's tokenizer and config) are removed
+    from the distribution, as in the rollout. 0 where response_mask is False.
     """
+    from transformers import AutoTokenizer
+
     from easyvlm.data.collate import concat_multi_modal_inputs
+    from easyvlm.rollout.tokens import blocked_token_ids
+
+    blocked = blocked_token_ids(AutoTokenizer.from_pretrained(model.name_or_path), model.config)
 
     B, T = batch["responses"].shape
     P = batch["input_ids"].shape[1] - T
@@ -121,12 +128,14 @@ def reference_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.T
         mm = concat_multi_modal_inputs([batch["multi_modal_inputs"][b]])
         with torch.no_grad():
             logits = model(input_ids=ids, position_ids=pos[1:].unsqueeze(1), **mm).logits[0] / temperature
+        logits[:, blocked] = float("-inf")
         logp = torch.log_softmax(logits.double(), -1)
         p_b = int(batch["attention_mask"][b, :P].sum())
         for t in range(T):
             if batch["response_mask"][b, t]:
                 logprobs[b, t] = logp[p_b - 1 + t, batch["responses"][b, t]]
-                entropies[b, t] = -(logp[p_b - 1 + t].exp() * logp[p_b - 1 + t]).sum()
+                allowed = torch.isfinite(logp[p_b - 1 + t])  # blocked ids: p = 0, no entropy
+                entropies[b, t] = -(logp[p_b - 1 + t][allowed].exp() * logp[p_b - 1 + t][allowed]).sum()
     return logprobs, entropies
 
 

@@ -1,0 +1,203 @@
+"""Shared pieces of the training-step benchmarks (bench/vs_trl.py, bench/trl_grpo.py).
+
+- ``eos_free_model``: a copy of a built-in model that can never sample an EOS token, so that every
+  response of both frameworks runs to the maximum length (equal work, no forcing flag needed);
+- ``model_params`` / ``essential_flops``: the FLOP count the efficiency figure divides by;
+- ``matmul_peak``: the machine's fp32 matmul throughput, measured;
+- ``TreeMemory``: peak resident memory of a process tree (the driver plus Ray's processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# the residual-stream channel that carries the constant which keeps EOS logits far below the others
+EOS_CHANNEL = 0
+EOS_CHANNEL_VALUE = 1.0
+EOS_LOGIT_SCALE = 200.0
+
+
+def eos_free_model(model: str, out_root: str | os.PathLike | None = None) -> str:
+    """A copy of ``model`` (``builtin:<name>`` or a directory) whose EOS tokens are never sampled.
+
+    Why: a random (or warm-started) model ends its responses at random points, and the two
+    frameworks then do different amounts of work. Forcing flags differ between them (vLLM's
+    ``min_tokens`` is not exposed by easyvlm's config; ``ignore_eos`` keeps sampling but masks the
+    tokens after an EOS out of the loss), so the benchmark removes EOS from the model instead.
+
+    How: residual channel c = ``EOS_CHANNEL`` of the text decoder is made a constant: every token
+    embedding holds ``EOS_CHANNEL_VALUE`` there and no attention or MLP block writes to it (row c of
+    every ``o_proj`` and ``down_proj`` is 0). After the final RMSNorm that channel is positive at
+    every position, so lm_head rows of the EOS ids set to ``-EOS_LOGIT_SCALE`` on channel c (0
+    elsewhere) give EOS a logit of about -100 or lower: probability < 1e-40 per token. The copy is
+    cached next to the source (``<dir>-eosfree``) and rebuilt when the source changes.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from easyvlm.models.builtin import resolve_model_path
+
+    src = Path(resolve_model_path(model))
+    out = Path(out_root or src.parent) / f"{src.name}-eosfree"
+    stamp = str((src / "model.safetensors").stat().st_mtime_ns)
+    if (out / "eosfree.json").is_file() and json.loads((out / "eosfree.json").read_text())["source_mtime"] == stamp:
+        return str(out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    config = json.loads((src / "config.json").read_text())
+    generation = json.loads((src / "generation_config.json").read_text())
+    eos = generation.get("eos_token_id", config.get("text_config", config).get("eos_token_id"))
+    eos_ids = sorted({*([eos] if isinstance(eos, int) else eos), config.get("text_config", config)["eos_token_id"]})
+    state = load_file(str(src / "model.safetensors"))
+    prefix = "model.language_model." if "model.language_model.embed_tokens.weight" in state else "model."
+    state[f"{prefix}embed_tokens.weight"][:, EOS_CHANNEL] = EOS_CHANNEL_VALUE
+    for name, tensor in state.items():
+        if name.startswith(f"{prefix}layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            tensor[EOS_CHANNEL] = 0.0
+    state[f"{prefix}norm.weight"][EOS_CHANNEL] = 1.0  # a trained norm weight could flip the sign
+    lm_head = state["lm_head.weight"]
+    lm_head[:, EOS_CHANNEL] = 0.0
+    lm_head[eos_ids] = 0.0
+    lm_head[eos_ids, EOS_CHANNEL] = -EOS_LOGIT_SCALE
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "eosfree.json").write_text(json.dumps({"source": str(src), "source_mtime": stamp, "eos_ids": eos_ids}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return str(out)
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    total: int
+    """All parameters."""
+    decoder: int
+    """Parameters the text decoder multiplies with per token: all text weights except the input
+    embedding table (a lookup), lm_head included."""
+    vision: int
+    """The vision tower (patch embedding, blocks, merger): runs once per image patch."""
+
+
+def model_params(model_dir: str) -> ModelParams:
+    from safetensors import safe_open
+
+    total = decoder = vision = 0
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            numel = 1
+            for dim in f.get_slice(name).get_shape():
+                numel *= dim
+            total += numel
+            if "visual" in name:
+                vision += numel
+            elif not name.endswith("embed_tokens.weight"):
+                decoder += numel
+    return ModelParams(total, decoder, vision)
+
+
+def essential_flops(params: ModelParams, prompt_tokens: list[int], image_patches: list[int], n: int, response_length: int) -> dict:
+    """FLOPs a GRPO step cannot avoid, per prompt i (``prompt_tokens[i]`` tokens, image tokens
+    included; ``image_patches[i]`` vision patches before merging), n samples of ``response_length``:
+
+    - generation: prefill each prompt once (2 * decoder * P_i + 2 * vision * patches_i) and decode
+      every sampled token (2 * decoder per token, n * response_length per prompt);
+    - training: one forward and backward over every real token of every sample (6 * decoder per
+      token, n * (P_i + response_length) per prompt) and the vision tower over its patches
+      (6 * vision per patch, n times per prompt).
+
+    Left out: attention scores (2 * layers * context * width per token: ~2% of the matmul FLOPs
+    at 170 tokens), norms and activations, the old/reference log-prob passes (avoidable: TRL and
+    easyvlm skip them here) and anything a padded layout or a repeated prefill adds.
+    """
+    prefill = sum(2 * params.decoder * p + 2 * params.vision * v for p, v in zip(prompt_tokens, image_patches))
+    decode = 2 * params.decoder * n * response_length * len(prompt_tokens)
+    train = sum(6 * params.decoder * n * (p + response_length) + 6 * params.vision * n * v for p, v in zip(prompt_tokens, image_patches))
+    return {"prefill": prefill, "decode": decode, "train": train, "total": prefill + decode + train}
+
+
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 10) -> float:
+    """Median fp32 ``torch.matmul`` throughput (FLOP/s) of two size x size matrices on ``threads``."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        torch.matmul(a, b)  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            times.append(time.perf_counter() - start)
+        return 2 * size**3 / statistics.median(times)
+    finally:
+        torch.set_num_threads(saved)
+
+
+class TreeMemory:
+    """Samples the resident memory of a process and all its descendants (Ray's raylet, GCS and
+    workers are children of the driver) every ``interval`` seconds, in a thread.
+
+    ``peak_sum``: the largest sum of RSS over the tree at one sample (what the machine had to hold);
+    ``sum_of_peaks``: each process's own peak, summed (an upper bound). RSS counts shared pages
+    (torch's libraries) once per process, so both overstate the unique memory somewhat.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.25):
+        import psutil
+
+        self._root = psutil.Process(pid)
+        self._interval = interval
+        self._stop = threading.Event()
+        self.peak_sum = 0
+        self._peaks: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def sum_of_peaks(self) -> int:
+        return sum(self._peaks.values())
+
+    def _sample(self) -> None:
+        import psutil
+
+        try:
+            procs = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return
+        total = 0
+        for proc in procs:
+            try:
+                rss = proc.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            key = proc.pid
+            self._peaks[key] = max(self._peaks.get(key, 0), rss)
+        self.peak_sum = max(self.peak_sum, total)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> "TreeMemory":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def fit_exponent(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of log(y) against log(x): y ~ x^k."""
+    import numpy as np
+
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])

@@ -1,0 +1,427 @@
+"""easyvlm vs TRL's GRPOTrainer on the same GRPO work, side by side in one run; where easyvlm's
+step time goes; how it scales; its overhead.
+
+    PYTHONPATH=. python bench/vs_trl.py [--mode compare] [--threads 2] [--steps 3]
+    PYTHONPATH=. python bench/vs_trl.py --mode breakdown   # bench model: timing_s/*, padding-free, old log-probs
+    PYTHONPATH=. python bench/vs_trl.py --mode scaling     # step time vs prompts per step and response length
+    PYTHONPATH=. python bench/vs_trl.py --mode overhead    # the demo config: step time outside compute
+
+Every training run is its own process (easyvlm: ``python -m easyvlm.trainer.main`` with Ray;
+TRL: bench/trl_grpo.py), watched by a sampler of the resident memory of its whole process tree.
+Both frameworks get the same model (an EOS-free copy, see ``bench_support.eos_free_model``: every
+response runs to the maximum length), the same synthetic prompts and images in file order, the same
+prompts per step, samples per prompt, response length, AdamW settings, learning rate and clipping,
+no KL (TRL's default beta = 0), one PPO epoch, float32, no gradient checkpointing, and the same
+torch threads. The first step of each run is a warm-up; the others are timed (median).
+
+compare (the default) runs the tiny demo model (16 prompts x 8 samples x 8 tokens) and the
+bench model (16 x 8 x 128), easyvlm first, and measures the fp32 matmul peak (2048 x 2048,
+median of 10) before and after. Its last stdout line is one JSON object for the bench model:
+{"easyvlm_s_per_step", "trl_s_per_step", "speedup", "efficiency", ...}, where efficiency =
+(essential FLOPs of a step / matmul peak) / easyvlm's median step time (``essential_flops``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_support import TreeMemory, eos_free_model, essential_flops, fit_exponent, matmul_peak, model_params  # noqa: E402
+
+TINY = "builtin:tiny-qwen2.5-vl-synthetic"  # the demo's model
+BENCH = "builtin:bench-qwen2.5-vl"
+GiB = 1024**3
+
+
+def easyvlm_overrides(model_dir: str, prompts: int, n: int, max_response: int, steps: int, lr: float, micro: int,
+                      out_dir: str) -> list[str]:
+    """examples/config.yaml with the benchmark's settings (see the module docstring)."""
+    return [
+        f"config={REPO / 'examples' / 'config.yaml'}",
+        f"worker.actor.model.model_path={model_dir}",
+        f"data.rollout_batch_size={prompts}",
+        f"data.max_response_length={max_response}",
+        "data.shuffle=false",
+        f"worker.rollout.n={n}",
+        f"worker.rollout.max_num_seqs={prompts * n}",
+        f"worker.actor.global_batch_size={prompts}",  # one mini-batch: on-policy, old log-probs skipped
+        f"worker.actor.micro_batch_size_per_device_for_update={micro}",
+        f"worker.actor.micro_batch_size_per_device_for_experience={micro}",
+        "worker.actor.model.enable_gradient_checkpointing=false",
+        "worker.actor.loss_avg_mode=token",
+        "worker.actor.max_grad_norm=1.0",
+        f"worker.actor.optim.lr={lr}",
+        "worker.actor.optim.weight_decay=0.01",
+        "worker.actor.optim.lr_scheduler_type=constant",
+        "algorithm.disable_kl=true",
+        "algorithm.use_kl_loss=false",
+        f"trainer.max_steps={steps}",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.find_last_checkpoint=false",
+        "trainer.logger=[file]",
+        f"trainer.save_checkpoint_path={out_dir}",
+    ]
+
+
+def _env(threads: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+
+
+def _watch(cmd: list[str], threads: int, log_path: Path, timeout: float) -> tuple[float, TreeMemory]:
+    """Run ``cmd``; returns its wall time and the memory sampler of its process tree."""
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
+        with TreeMemory(proc.pid) as memory:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise RuntimeError(f"{cmd[:4]} ran over {timeout:.0f} s; log: {log_path}")
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({proc.returncode}); log {log_path}:\n{tail}")
+    return time.perf_counter() - start, memory
+
+
+def run_easyvlm(model_dir: str, args, max_response: int, prompts: int | None = None, extra: list[str] = (),
+                steps: int | None = None, timeline: bool = False) -> dict:
+    """One easyvlm training run in its own process; per-step metrics from its JSONL log."""
+    prompts = prompts or args.prompts
+    steps = steps or args.steps
+    out_dir = tempfile.mkdtemp(prefix="easyvlm-bench-")
+    overrides = [*easyvlm_overrides(model_dir, prompts, args.n, max_response, steps, args.lr, args.micro, out_dir), *extra]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--easyvlm-driver", out_dir, "--", *overrides]
+    if not timeline:
+        cmd = [sys.executable, "-m", "easyvlm.trainer.main", *overrides]
+    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
+    rows = [json.loads(line) for line in (Path(out_dir) / "experiment_log.jsonl").read_text().splitlines() if line.strip()]
+    result = {
+        "framework": "easyvlm",
+        "wall_s": wall,
+        "step_s": [row["timing_s/step"] for row in rows],
+        "rows": rows,
+        "peak_rss_gib": memory.peak_sum / GiB,
+        "sum_of_peak_rss_gib": memory.sum_of_peaks / GiB,
+        "response_length": [row["response_length/mean"] for row in rows],
+        "out_dir": out_dir,
+    }
+    if timeline:
+        result["worker_exec"] = json.loads((Path(out_dir) / "worker_exec.json").read_text())
+    return result
+
+
+def run_trl(model_dir: str, args, max_response: int) -> dict:
+    out_dir = tempfile.mkdtemp(prefix="trl-bench-")
+    cmd = [
+        sys.executable, str(REPO / "bench" / "trl_grpo.py"), "--model", model_dir, "--prompts", str(args.prompts),
+        "--n", str(args.n), "--max-response", str(max_response), "--steps", str(args.steps), "--lr", str(args.lr),
+        "--micro", str(args.micro), "--threads", str(args.threads),
+    ]
+    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
+    lines = [line for line in (Path(out_dir) / "run.log").read_text().splitlines() if line.startswith('{"framework": "trl"')]
+    result = json.loads(lines[-1])
+    result.update(wall_s=wall, peak_rss_gib=memory.peak_sum / GiB, sum_of_peak_rss_gib=memory.sum_of_peaks / GiB)
+    result["response_length"] = result.pop("completion_mean_length")
+    return result
+
+
+def timed_median(values: list[float]) -> float:
+    """Median over the steps after the first (warm-up)."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def prompt_shapes(model_dir: str, count: int) -> tuple[list[int], list[int]]:
+    """(prompt tokens, vision patches) of the first ``count`` training prompts, as easyvlm encodes them."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from easyvlm.config.loader import load_config
+    from easyvlm.data.dataset import RLDataset
+    from easyvlm.data.synthetic import materialize_dataset
+
+    data = load_config([f"config={REPO / 'examples' / 'config.yaml'}"]).data
+    data_file = str(materialize_dataset("train"))
+    processor = AutoProcessor.from_pretrained(model_dir)
+    dataset = RLDataset(data_file, _abs_format(data), processor.tokenizer, processor, AutoConfig.from_pretrained(model_dir))
+    tokens, patches = [], []
+    for i in range(count):
+        item = dataset[i]
+        tokens.append(len(item["raw_prompt_ids"]))
+        grid = item["multi_modal_inputs"].get("image_grid_thw")
+        patches.append(int(grid.prod(-1).sum()) if grid is not None else 0)
+    return tokens, patches
+
+
+def _abs_format(data):
+    import dataclasses
+
+    return dataclasses.replace(data, format_prompt=str(REPO / "format_prompts" / "synthetic.jinja"),
+                               train_files=str(__import__("easyvlm.data.synthetic", fromlist=["x"]).materialize_dataset("train")))
+
+
+def summarize(name: str, res: dict, gen_tokens: int) -> dict:
+    s = timed_median(res["step_s"])
+    return {
+        "framework": res["framework"],
+        "model": name,
+        "s_per_step": round(s, 3),
+        "steps_s": [round(x, 3) for x in res["step_s"]],
+        "gen_tokens_per_s": round(gen_tokens / s, 1),
+        "peak_rss_gib": round(res["peak_rss_gib"], 2),
+        "sum_of_peak_rss_gib": round(res["sum_of_peak_rss_gib"], 2),
+        "response_length": res["response_length"],
+        "wall_s": round(res["wall_s"], 1),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ modes
+def mode_compare(args) -> None:
+    peaks = [matmul_peak(args.threads)]
+    print(f"fp32 matmul peak ({args.threads} threads): {peaks[0] / 1e9:.1f} GFLOP/s", flush=True)
+    rows, results = [], {}
+    for label, model, max_response in (("tiny", TINY, args.tiny_response), ("bench", BENCH, args.max_response)):
+        if label not in args.models.split(","):
+            continue
+        model_dir = eos_free_model(model)
+        gen_tokens = args.prompts * args.n * max_response
+        for runner in (run_easyvlm, run_trl):
+            res = runner(model_dir, args, max_response)
+            row = summarize(label, res, gen_tokens)
+            if res["framework"] == "easyvlm":
+                row["timing_s"] = {k[len("timing_s/"):]: round(timed_median([r[k] for r in res["rows"] if k in r]), 3)
+                                   for k in res["rows"][-1] if k.startswith("timing_s/")}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            results[(label, res["framework"])] = row
+        params = model_params(model_dir)
+        tokens, patches = prompt_shapes(model_dir, args.prompts * args.steps)
+        per_step = [essential_flops(params, tokens[i : i + args.prompts], patches[i : i + args.prompts], args.n, max_response)
+                    for i in range(args.prompts, len(tokens), args.prompts)]  # the timed steps' prompts
+        results[(label, "flops")] = {k: statistics.mean(f[k] for f in per_step) for k in per_step[0]}
+        results[(label, "params")] = params
+    peaks.append(matmul_peak(args.threads))
+    peak = statistics.median(peaks)
+    print(f"fp32 matmul peak after the runs: {peaks[-1] / 1e9:.1f} GFLOP/s; used: {peak / 1e9:.1f}")
+    print("\n| model | framework | s/step (median) | generated tokens/s | peak RSS GiB (tree) | efficiency |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        flops = results[(row["model"], "flops")]["total"]
+        row["efficiency"] = round(flops / peak / row["s_per_step"], 3)
+        print(f"| {row['model']} | {row['framework']} | {row['s_per_step']:.2f} | {row['gen_tokens_per_s']:,.0f} | "
+              f"{row['peak_rss_gib']:.2f} | {row['efficiency']:.2f} |")
+    out = {"bench": "vs_trl", "threads": args.threads, "matmul_peak_gflops": round(peak / 1e9, 1),
+           "matmul_peaks_gflops": [round(p / 1e9, 1) for p in peaks]}
+    models = out["models"] = {}
+    for label in ("tiny", "bench"):
+        if (label, "easyvlm") not in results:
+            continue
+        e, t = results[(label, "easyvlm")], results[(label, "trl")]
+        p = results[(label, "params")]
+        models[label] = {
+            "easyvlm": e, "trl": t, "speedup": round(t["s_per_step"] / e["s_per_step"], 3),
+            "essential_gflop": {k: round(v / 1e9, 1) for k, v in results[(label, "flops")].items()},
+            "params": {"total": p.total, "decoder": p.decoder, "vision": p.vision},
+        }
+    print(json.dumps(out))
+    key = "bench" if "bench" in models else "tiny"
+    e, t = models[key]["easyvlm"], models[key]["trl"]
+    print(json.dumps({
+        "easyvlm_s_per_step": e["s_per_step"], "trl_s_per_step": t["s_per_step"], "speedup": models[key]["speedup"],
+        "efficiency": e["efficiency"], "trl_efficiency": t["efficiency"], "model": key,
+        "easyvlm_gen_tokens_per_s": e["gen_tokens_per_s"], "trl_gen_tokens_per_s": t["gen_tokens_per_s"],
+        "easyvlm_peak_rss_gib": e["peak_rss_gib"], "trl_peak_rss_gib": t["peak_rss_gib"],
+        "matmul_peak_gflops": out["matmul_peak_gflops"], "essential_gflop": models[key]["essential_gflop"]["total"],
+        "threads": args.threads,
+        **({"tiny_speedup": models["tiny"]["speedup"]} if "tiny" in models and key != "tiny" else {}),
+    }))
+
+
+def _timing_table(label: str, rows: list[dict]) -> dict[str, float]:
+    keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
+    return {k[len("timing_s/"):]: round(timed_median([r[k] for r in rows if k in r]), 3) for k in keys}
+
+
+def mode_breakdown(args) -> None:
+    """Bench model, easyvlm only: timing_s/* of the default run, padded instead of padding-free,
+    and two mini-batches (old log-probs computed) for their cost; worker-side execution times."""
+    model_dir = eos_free_model(BENCH)
+    variants = {
+        "default (padding-free, old log-probs skipped)": ([], ["generate", "update_actor"]),
+        "padded (padding_free=false)": (["worker.actor.padding_free=false", "worker.actor.dynamic_batching=false"],
+                                        ["generate", "update_actor"]),
+        "old log-probs computed (2 mini-batches)": ([f"worker.actor.global_batch_size={args.prompts // 2}"],
+                                                    ["generate", "compute_logprobs", "update_actor"]),
+    }
+    out = {}
+    for name, (extra, methods) in variants.items():
+        res = run_easyvlm(model_dir, args, args.max_response, extra=extra, timeline=True)
+        table = _timing_table(name, res["rows"])
+        table.update(_exec_table(res, methods))
+        out[name] = table
+        print(json.dumps({"variant": name, "timing_s": table, "peak_rss_gib": round(res["peak_rss_gib"], 2)}), flush=True)
+    print(json.dumps({"bench": "vs_trl_breakdown", "threads": args.threads, "results": out}))
+
+
+def mode_scaling(args) -> None:
+    """easyvlm's median step time against prompts per step and against the response length."""
+    model_dir = eos_free_model(args.scaling_model)
+    results = {"prompts": {}, "response": {}}
+    for prompts in (8, 16, 32, 64):
+        res = run_easyvlm(model_dir, args, args.scaling_response, prompts=prompts)
+        results["prompts"][prompts] = round(timed_median(res["step_s"]), 3)
+        print(json.dumps({"prompts": prompts, "max_response": args.scaling_response, "s_per_step": results["prompts"][prompts]}), flush=True)
+    for length in (16, 64, 256):
+        res = run_easyvlm(model_dir, args, length)
+        results["response"][length] = round(timed_median(res["step_s"]), 3)
+        print(json.dumps({"prompts": args.prompts, "max_response": length, "s_per_step": results["response"][length]}), flush=True)
+    exponents = {axis: round(fit_exponent(list(map(float, v)), list(v.values())), 3) for axis, v in results.items()}
+    print(json.dumps({"bench": "vs_trl_scaling", "model": args.scaling_model, "threads": args.threads,
+                      "s_per_step": results, "exponents": exponents}))
+
+
+def mode_overhead(args) -> None:
+    """The demo config as it is (examples/config.yaml; no validation): the share of step time outside
+    generation, log-prob and update compute, from the timing metrics and the worker-side execution
+    times of every call (Ray's timeline), plus the weight sync measured alone."""
+    out_dir = tempfile.mkdtemp(prefix="easyvlm-overhead-")
+    overrides = [
+        f"config={REPO / 'examples' / 'config.yaml'}", f"trainer.max_steps={args.steps}", "trainer.val_before_train=false",
+        "trainer.val_freq=-1", "trainer.save_freq=-1", "trainer.find_last_checkpoint=false", "trainer.logger=[file]",
+        f"trainer.save_checkpoint_path={out_dir}",
+    ]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--easyvlm-driver", out_dir, "--", *overrides]
+    _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
+    rows = [json.loads(line) for line in (Path(out_dir) / "experiment_log.jsonl").read_text().splitlines() if line.strip()]
+    res = {"rows": rows, "worker_exec": json.loads((Path(out_dir) / "worker_exec.json").read_text())}
+    # the demo: KL loss (reference log-probs), one mini-batch (old log-probs skipped)
+    table = {**_timing_table("demo", rows), **_exec_table(res, ["generate", "compute_ref_logprobs", "update_actor"])}
+    sync = json.loads((Path(out_dir) / "sync.json").read_text())
+    step = table["step"]
+    compute = table.get("exec_generate", 0) - sync["median_s"] + table.get("exec_compute_logprobs", 0) \
+        + table.get("exec_compute_ref_logprobs", 0) + table.get("exec_update_actor", 0)
+    overhead = step - compute
+    print(json.dumps({"bench": "vs_trl_overhead", "threads": args.threads, "timing_s": table, "weight_sync_s": sync,
+                      "compute_s": round(compute, 3), "overhead_s": round(overhead, 3),
+                      "overhead_share": round(overhead / step, 3)}))
+
+
+def _exec_table(res: dict, methods: list[str]) -> dict[str, float]:
+    """Median (over steps after the first) worker-side seconds per hybrid method; ``methods``: the
+    hybrid calls of one step in the trainer's order (no validation or checkpoints in these runs)."""
+    calls = res["worker_exec"]
+    expected = len(res["rows"]) * len(methods)
+    # the trainer kills its actors right after the last call, often before they report its events
+    if len(calls) not in (expected, expected - 1):
+        return {"exec_unmatched_calls": float(len(calls))}
+    table = {}
+    for i, method in enumerate(methods):
+        timed = calls[i :: len(methods)][1:]  # steps after the warm-up
+        if timed:
+            table[f"exec_{method}"] = round(statistics.median(c["exec_s"] for c in timed), 3)
+            table[f"transfer_{method}"] = round(statistics.median(c["call_s"] - c["exec_s"] for c in timed), 3)
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def easyvlm_driver(out_dir: str, overrides: list[str]) -> None:
+    """``easyvlm.trainer.main`` in this process, then: the worker-side execution time of every call
+    of the hybrid workers (from Ray's task events, by method, in call order) and, for the overhead
+    mode, the weight sync (actor gather + vLLM reload) timed alone in this process."""
+    import ray
+
+    from easyvlm.trainer.main import main
+
+    main(overrides)
+    time.sleep(3)  # workers flush their task events about once a second: wait for the last call's
+    exec_times = _worker_exec_times(ray)
+    Path(out_dir, "worker_exec.json").write_text(json.dumps(exec_times))
+    ray.shutdown()
+    if any(o.startswith("config=") for o in overrides) and not any("model_path" in o for o in overrides):
+        Path(out_dir, "sync.json").write_text(json.dumps(_time_weight_sync(overrides)))
+
+
+def _worker_exec_times(ray) -> list[dict[str, float]]:
+    """Every ``_RankHost.call`` of the busiest actor (the hybrid worker of rank 0), in call order:
+    seconds in the call, executing the method, and deserialising its arguments (Ray's timeline)."""
+    events = ray.timeline()
+    calls = [e for e in events if e.get("cat") == "task::_RankHost.call"]
+    if not calls:
+        return []
+    tid = max({e.get("tid") for e in calls}, key=lambda t: sum(1 for e in calls if e.get("tid") == t))
+    calls = sorted((e for e in calls if e.get("tid") == tid), key=lambda e: e["ts"])
+    inner = [e for e in events if e.get("tid") == tid and e.get("cat") in ("task:execute", "task:deserialize_arguments")]
+    out = []
+    for call in calls:
+        parts = {e["cat"]: e["dur"] / 1e6 for e in inner if call["ts"] <= e["ts"] <= call["ts"] + call["dur"]}
+        out.append({"call_s": call["dur"] / 1e6, "exec_s": parts.get("task:execute", 0.0),
+                    "deserialize_s": parts.get("task:deserialize_arguments", 0.0)})
+    return out
+
+
+def _time_weight_sync(overrides: list[str], repeats: int = 5) -> dict:
+    from easyvlm.config.cli import parse_and_validate
+    from easyvlm.config.derived import derive
+    from easyvlm.trainer.main import resolve_paths
+    from easyvlm.workers.hybrid import HybridWorker
+
+    cfg = resolve_paths(parse_and_validate(overrides))
+    derived = derive(cfg)
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    worker = HybridWorker(cfg, 10, derived.use_reference, "cpu")
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        worker.rollout.update_weights(worker.actor.state_dict_for_sync().items())
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times[1:]), "runs_s": times[1:]}
+
+
+def _free_port() -> int:
+    from easyvlm.workers.dist import find_free_port
+
+    return find_free_port()
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--easyvlm-driver":
+        easyvlm_driver(argv[1], argv[3:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=["compare", "breakdown", "scaling", "overhead"], default="compare")
+    parser.add_argument("--models", default="tiny,bench", help="compare: which of tiny, bench")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every run and of the matmul peak")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-response", type=int, default=128, help="bench model")
+    parser.add_argument("--tiny-response", type=int, default=8, help="tiny model (the demo's)")
+    parser.add_argument("--micro", type=int, default=16, help="sequences per forward/backward, both frameworks")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--scaling-model", default=TINY)
+    parser.add_argument("--scaling-response", type=int, default=8, help="scaling over prompts: response length")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    args = parser.parse_args(argv)
+    {"compare": mode_compare, "breakdown": mode_breakdown, "scaling": mode_scaling, "overhead": mode_overhead}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""Skipping old log-probs on an on-policy update: the actor's update without ``old_logprobs`` (it
+takes its own forward pass, detached) must equal the update with explicitly computed ones, and the
+trainer may skip them only when the update is provably on-policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, make_rl_batch
+
+from easyvlm.config.derived import derive
+from easyvlm.config.loader import load_config
+from easyvlm.workers.actor import ActorWorker, update_is_on_policy
+
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_path):
+    data = make_rl_batch(tiny_model_path, PROMPTS[:4], RESPONSE_LENGTHS[:4])
+    gen = torch.Generator().manual_seed(0)
+    data["advantages"] = torch.where(data["response_mask"], torch.randn(data["responses"].shape, generator=gen), 0.0)
+    return data
+
+
+def make_actor(model_path: str, **overrides) -> ActorWorker:
+    # one mini-batch of all 4 samples (rollout_n 1), accumulated over 2 micro-batches of 2;
+    # max_grad_norm 0.5 < the gradient norm, so clipping (which sees the gradient's scale) is active
+    config = dict(global_batch_size=4, micro_batch_size_per_device_for_update=2, max_grad_norm=0.5, lr=1e-2)
+    config.update(overrides)
+    return ActorWorker(actor_config(model_path, **config), rank=0, world_size=1, total_steps=10, temperature=TEMPERATURE)
+
+
+def weights(worker: ActorWorker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in worker.state_dict_for_sync().items()}
+
+
+def test_update_without_old_logprobs_equals_update_with_them(process_group, tiny_model_path, batch):
+    explicit = make_actor(tiny_model_path)
+    data = batch.copy()
+    data["old_logprobs"] = explicit.compute_logprobs(batch)["old_logprobs"]  # exactly on-policy, no noise
+    before = weights(explicit)
+    explicit_metrics = explicit.update_policy(data)
+    expected = weights(explicit)
+
+    skipped = make_actor(tiny_model_path)  # same seed and model: the same starting weights
+    skipped_metrics = skipped.update_policy(batch.copy())  # no old_logprobs
+    after = weights(skipped)
+
+    assert after.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(after[name], expected[name], msg=name)
+    assert any(not torch.equal(before[k], expected[k]) for k in before)  # the update did move the weights
+    # the weights alone cannot see a wrongly scaled gradient (AdamW's first step is ~ lr * sign(g));
+    # the pre-clip norm and the loss can. On-policy: every ratio is 1, so nothing is clipped and the
+    # loss is -mean(advantages) over the response tokens
+    assert explicit_metrics["actor/grad_norm"] > 0.5
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/ppo_kl", "actor/pg_clipfrac_higher", "actor/pg_clipfrac_lower"):
+        assert skipped_metrics[key] == pytest.approx(explicit_metrics[key], rel=1e-5, abs=1e-7), key
+    mask = batch["response_mask"]
+    assert skipped_metrics["actor/pg_loss"] == pytest.approx(-batch["advantages"][mask].mean().item(), rel=1e-5)
+    assert skipped_metrics["actor/pg_clipfrac_higher"] == 0 and skipped_metrics["actor/pg_clipfrac_lower"] == 0
+
+
+@pytest.mark.parametrize("overrides", [dict(ppo_epochs=2), dict(global_batch_size=2)])
+def test_off_policy_update_requires_old_logprobs(process_group, tiny_model_path, batch, overrides):
+    actor = make_actor(tiny_model_path, **overrides)
+    with pytest.raises(ValueError, match="no 'old_logprobs'.*ppo_epochs"):
+        actor.update_policy(batch.copy())
+
+
+BASE = [
+    "data.train_files=builtin:synthetic@train",
+    "data.val_files=builtin:synthetic@val",
+    "worker.actor.model.model_path=builtin:tiny-qwen2.5-vl",
+    "worker.reward.reward_function=r.py:f",
+    "data.rollout_batch_size=16",
+    "worker.rollout.n=8",
+    "worker.actor.global_batch_size=16",
+    "worker.actor.micro_batch_size_per_device_for_update=8",
+    "worker.actor.ppo_epochs=1",
+    "algorithm.disable_kl=false",
+    "algorithm.use_kl_loss=true",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, on_policy",
+    [
+        ([], True),  # the demo's settings: 1 epoch, 1 mini-batch, KL as a loss term
+        (["algorithm.disable_kl=true", "algorithm.use_kl_loss=false"], True),  # no KL at all
+        (["worker.actor.ppo_epochs=2"], False),  # the second epoch's ratios need the old log-probs
+        (["worker.actor.global_batch_size=8"], False),  # the second mini-batch runs on updated weights
+        (["algorithm.use_kl_loss=false"], False),  # the KL in the reward reads old_logprobs
+    ],
+)
+def test_trainer_skips_old_logprobs_only_on_policy(overrides, on_policy):
+    derived = derive(load_config([*BASE, *overrides]))
+    assert update_is_on_policy(derived.actor.optimizer_steps_per_step, derived.kl_in_reward) is on_policy
