@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from easyvlm.data.synthetic import PALETTE, SHAPES
@@ -93,37 +93,27 @@ class BuiltinModelSpec:
     description: str = ""
 
 
+_TINY = BuiltinModelSpec(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    mrope_section=(4, 6, 6),  # head_dim 32 -> 16 rotary frequency pairs
+    vision_depth=2,
+    vision_hidden_size=64,
+    vision_intermediate_size=128,
+    vision_num_heads=4,
+    vision_fullatt_block_indexes=(1,),
+    description="tests",
+)
+
 BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
-    # Tests and the CPU demo: builds in seconds, ~0.6 M parameters.
-    "tiny-qwen2.5-vl": BuiltinModelSpec(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mrope_section=(4, 6, 6),  # head_dim 32 -> 16 rotary frequency pairs
-        vision_depth=2,
-        vision_hidden_size=64,
-        vision_intermediate_size=128,
-        vision_num_heads=4,
-        vision_fullatt_block_indexes=(1,),
-        description="tests",
-    ),
+    # Tests: builds in seconds, ~0.6 M parameters.
+    "tiny-qwen2.5-vl": _TINY,
     # The demo's base: the tiny model with the synthetic task's answer words as single tokens.
-    "tiny-qwen2.5-vl-words": BuiltinModelSpec(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mrope_section=(4, 6, 6),
-        vision_depth=2,
-        vision_hidden_size=64,
-        vision_intermediate_size=128,
-        vision_num_heads=4,
-        vision_fullatt_block_indexes=(1,),
-        word_tokens=(*PALETTE, *SHAPES),
-        description="the CPU demo's base model (answer words are single tokens)",
+    "tiny-qwen2.5-vl-words": replace(
+        _TINY, word_tokens=(*PALETTE, *SHAPES), description="the CPU demo's base model (answer words are single tokens)"
     ),
     # Benchmarks: the same architecture at ~40 M parameters.
     "bench-qwen2.5-vl": BuiltinModelSpec(

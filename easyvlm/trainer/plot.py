@@ -11,13 +11,18 @@ from pathlib import Path
 
 CURVES = (
     ("reward/accuracy", "train accuracy (sampled)"),
-    ("val/accuracy_reward", "validation accuracy (greedy)"),
+    ("val/accuracy_reward", "validation accuracy (held-out prompts)"),
     ("reward/overall", "train reward (overall)"),
 )
 
 
 def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def curve_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of every row that logged ``key`` (validation runs only every val_freq steps)."""
+    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
 
 
 def plot(log_path: Path, out_path: Path) -> Path:
@@ -29,7 +34,7 @@ def plot(log_path: Path, out_path: Path) -> Path:
     rows = read_log(log_path)
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     for key, label in CURVES:
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        points = curve_points(rows, key)
         if points:
             steps, values = zip(*points)
             ax.plot(steps, values, marker="o" if key.startswith("val/") else None, markersize=3, label=label)
@@ -49,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         raise SystemExit("usage: python -m easyvlm.trainer.plot LOG.jsonl OUT.png")
+    if not Path(argv[0]).is_file():
+        raise SystemExit(f"easyvlm.trainer.plot: no log at {argv[0]}; a run writes <save_checkpoint_path>/experiment_log.jsonl")
     print(f"wrote {plot(Path(argv[0]), Path(argv[1]))}")
 
 
