@@ -256,7 +256,9 @@ def test_example_config_is_valid():
     cfg = load_config([f"config={REPO / 'examples' / 'config.yaml'}"])
     assert find_problems(cfg) == []
     assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-synthetic"
-    assert (cfg.worker.rollout.n, cfg.worker.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node) == (8, 1, 1)
+    # the demo: 64 prompts x 4 samples on one CPU process, one PPO mini-batch (on-policy)
+    assert (cfg.worker.rollout.n, cfg.data.rollout_batch_size, cfg.worker.actor.global_batch_size) == (4, 64, 64)
+    assert (cfg.worker.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node) == (1, 1)
 
 
 def test_example_config_files_exist(monkeypatch):
