@@ -113,6 +113,9 @@ def essential_flops(params: ModelParams, prompt_tokens: list[int], image_patches
       token, n * (P_i + response_length) per prompt) and the vision tower over its patches
       (6 * vision per patch, n times per prompt).
 
+    ``train_shared_prompts``: the training FLOPs when each prompt's tokens and patches run once for
+    its n samples (easyvlm's ``share_prompts``), not part of ``total``: what easyvlm executes.
+
     Left out: attention scores (2 * layers * context * width per token: ~2% of the matmul FLOPs
     at 170 tokens), norms and activations, the old/reference log-prob passes (avoidable: TRL and
     easyvlm skip them here) and anything a padded layout or a repeated prefill adds.
@@ -120,7 +123,9 @@ def essential_flops(params: ModelParams, prompt_tokens: list[int], image_patches
     prefill = sum(2 * params.decoder * p + 2 * params.vision * v for p, v in zip(prompt_tokens, image_patches))
     decode = 2 * params.decoder * n * response_length * len(prompt_tokens)
     train = sum(6 * params.decoder * n * (p + response_length) + 6 * params.vision * n * v for p, v in zip(prompt_tokens, image_patches))
-    return {"prefill": prefill, "decode": decode, "train": train, "total": prefill + decode + train}
+    shared = sum(6 * params.decoder * (p + n * response_length) + 6 * params.vision * v for p, v in zip(prompt_tokens, image_patches))
+    return {"prefill": prefill, "decode": decode, "train": train, "total": prefill + decode + train,
+            "train_shared_prompts": shared}
 
 
 def matmul_peak(threads: int, size: int = 2048, repeats: int = 10) -> float:

@@ -250,9 +250,17 @@ def mode_compare(args) -> None:
         "easyvlm_gen_tokens_per_s": e["gen_tokens_per_s"], "trl_gen_tokens_per_s": t["gen_tokens_per_s"],
         "easyvlm_peak_rss_gib": e["peak_rss_gib"], "trl_peak_rss_gib": t["peak_rss_gib"],
         "matmul_peak_gflops": out["matmul_peak_gflops"], "essential_gflop": models[key]["essential_gflop"]["total"],
+        # with shared prompts easyvlm executes fewer FLOPs than the essential count: its efficiency
+        # on the FLOPs it runs (prefill + decode + training with each prompt once per group)
+        "easyvlm_executed_efficiency": round(_executed_gflop(models[key]) / out["matmul_peak_gflops"] / e["s_per_step"], 3),
         "threads": args.threads,
         **({"tiny_speedup": models["tiny"]["speedup"]} if "tiny" in models and key != "tiny" else {}),
     }))
+
+
+def _executed_gflop(model: dict) -> float:
+    flops = model["essential_gflop"]
+    return flops["prefill"] + flops["decode"] + flops["train_shared_prompts"]
 
 
 def _timing_table(label: str, rows: list[dict]) -> dict[str, float]:
@@ -268,6 +276,7 @@ def mode_breakdown(args) -> None:
         "default (padding-free, old log-probs skipped)": ([], ["generate", "update_actor"]),
         "padded (padding_free=false)": (["worker.actor.padding_free=false", "worker.actor.dynamic_batching=false"],
                                         ["generate", "update_actor"]),
+        "shared prompts off (share_prompts=false)": (["worker.actor.share_prompts=false"], ["generate", "update_actor"]),
         "old log-probs computed (2 mini-batches)": ([f"worker.actor.global_batch_size={args.prompts // 2}"],
                                                     ["generate", "compute_logprobs", "update_actor"]),
     }

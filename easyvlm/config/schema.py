@@ -288,6 +288,11 @@ class ActorConfig:
     padding_free: bool = True
     """Pack sequences without padding in the forward pass (varlen attention: flash-attn on GPUs,
     SDPA per sequence elsewhere)."""
+    share_prompts: bool = True
+    """easyvlm extra. With padding_free: the samples of one prompt that share a micro-batch run the
+    prompt and its images through the model once, and every response attends to that one copy.
+    Exact (the log-probs and gradients are the unshared ones); it saves (n - 1) / n of the prompt
+    work per group. The reference model follows this setting too."""
     dynamic_batching: bool = True
     """Form micro-batches by a token budget instead of a fixed sample count."""
     ulysses_size: int = 1
@@ -330,6 +335,9 @@ class CriticConfig:
     """Passes over each step's samples."""
     padding_free: bool = False
     """Pack sequences without padding in the forward pass."""
+    share_prompts: bool = True
+    """easyvlm extra. With padding_free: one pass over each prompt shared by its samples (see
+    `worker.actor.share_prompts`)."""
     dynamic_batching: bool = True
     """Form micro-batches by a token budget instead of a fixed sample count."""
     ulysses_size: int = 1

@@ -18,6 +18,17 @@ How it works, through transformers' extension points (no monkey patch):
     ``flash_attn_varlen_func``; otherwise SDPA per sequence (CPU, or GPU without flash-attn).
   * padded (a 2-D attention mask): exactly transformers' SDPA path, so one loaded model serves both.
 
+Shared prompts (``pack_inputs(..., prompt_source=...)``): the samples of one prompt (GRPO's group)
+need the prompt's hidden states only once. A row whose prompt equals an earlier row's (same tokens,
+positions and image) keeps only its response tokens; their text positions continue from the prompt
+length instead of restarting at 0. The attention function reads that layout from the positions
+alone: a segment of the packed row starts wherever the position does not follow its predecessor;
+one starting at position 0 is a *trunk* (a whole sequence, attending causally to itself); one
+starting at position s > 0 is a *branch*, attending to the first s tokens of the latest trunk and
+causally to itself. The result is exactly the unshared forward (same attention inputs for every
+response token) at a fraction of the cost when prompts are long against responses; the gradient
+through the shared prompt is the sum over its responses, as in the unshared pass.
+
 The image features do not care about packing: the vision tower sees the same ``pixel_values`` and
 ``image_grid_thw`` (concatenated in sample order), and its outputs fill the image-pad tokens of
 the packed row in the same order as in the padded batch.
@@ -97,17 +108,105 @@ def varlen_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    positions = position_ids.reshape(-1).tolist()  # host sync: fine on the CPU (see below for GPUs)
+    segments = packed_segments(positions)
+    if any(segment.prefix for segment in segments):
+        # Shared prompts. note: SDPA per trunk and per run of equal-length branches, on GPUs too
+        # (flash-attn's varlen kernel would need the trunk's keys copied into every branch).
+        return _shared_prefix_attention(query, key, value, segments, dropout, scaling), None
     cu_seqlens = cu_seqlens_from_position_ids(position_ids)
     if query.is_cuda and _flash_attn_available():
         return _flash_varlen(query, key, value, cu_seqlens, dropout, scaling), None
-    # note: .tolist() is a host sync; fine on the CPU, and on GPUs flash-attn takes the branch above
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    lengths = [segment.length for segment in segments]
     gqa = query.shape[1] != key.shape[1]
     outputs = [
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
         for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of a packed row: tokens ``start .. start + length - 1``. ``prefix`` = 0 for a trunk
+    (a sequence of its own); > 0 for a branch, which also attends to tokens ``trunk_start ..
+    trunk_start + prefix - 1`` (the first ``prefix`` tokens of the latest trunk)."""
+
+    start: int
+    length: int
+    prefix: int = 0
+    trunk_start: int = 0
+
+
+def packed_segments(positions: list[int]) -> list[Segment]:
+    """Trunks and branches of a packed row from its text positions.
+
+    A segment starts wherever the position is not its predecessor's + 1. [0 1 2 3 | 2 3 | 0 1] ->
+    trunk (0, 4), branch (4, 2) on the first 2 tokens of trunk 0, trunk (6, 2). A branch whose
+    prefix is longer than its trunk is an error (its prompt is not in the row).
+    """
+    segments: list[Segment] = []
+    trunk: Segment | None = None
+    start = 0
+    for i in range(1, len(positions) + 1):
+        if i < len(positions) and positions[i] == positions[i - 1] + 1:
+            continue
+        first = positions[start]
+        if first == 0:
+            trunk = Segment(start, i - start)
+            segments.append(trunk)
+        elif trunk is None or first > trunk.length:
+            raise ValueError(
+                f"packed row: tokens {start}..{i - 1} start at position {first} but the preceding sequence "
+                f"has {0 if trunk is None else trunk.length} tokens; a shared-prompt response must follow its prompt"
+            )
+        else:
+            segments.append(Segment(start, i - start, first, trunk.start))
+        start = i
+    return segments
+
+
+def _shared_prefix_attention(
+    query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], dropout: float, scaling: float | None
+) -> Tensor:
+    """Causal attention over trunks and branches (see :func:`packed_segments`). query (1, H, N, D),
+    key/value (1, Hkv, N, D) -> (1, N, H, D). Consecutive branches of one trunk with equal length
+    and prefix run as one batched SDPA call over [prefix keys, own keys]."""
+    gqa = query.shape[1] != key.shape[1]
+    outputs: list[Tensor] = []  # (1, H, n, D) chunks in row order
+    i = 0
+    while i < len(segments):
+        seg = segments[i]
+        a, n = seg.start, seg.length
+        if not seg.prefix:
+            q, k, v = (t[:, :, a : a + n] for t in (query, key, value))
+            outputs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa))
+            i += 1
+            continue
+        j = i + 1  # a run of equal branches of the same trunk, stored back to back
+        while j < len(segments) and (segments[j].prefix, segments[j].trunk_start, segments[j].length) == (
+            seg.prefix, seg.trunk_start, n
+        ):
+            j += 1
+        g, s, t0 = j - i, seg.prefix, seg.trunk_start
+
+        def branches(t: Tensor) -> Tensor:  # (1, h, g * n, D) -> (g, h, n, D)
+            return t[0, :, a : a + g * n].unflatten(1, (g, n)).transpose(0, 1)
+
+        def with_prefix(t: Tensor) -> Tensor:  # (g, h, s + n, D): the trunk's first s tokens, then the branch
+            prefix = t[:, :, t0 : t0 + s].expand(g, -1, -1, -1)
+            return torch.cat([prefix, branches(t)], dim=2)
+
+        # branch token r sees every prefix token and its own tokens 0..r
+        allowed = torch.ones(n, s + n, dtype=torch.bool, device=query.device)
+        allowed[:, s:] = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        out = F.scaled_dot_product_attention(
+            branches(query), with_prefix(key), with_prefix(value), attn_mask=allowed,
+            dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+        )  # (g, H, n, D)
+        outputs.append(out.transpose(0, 1).flatten(1, 2).unsqueeze(0))
+        i = j
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def _flash_attn_available() -> bool:
@@ -144,12 +243,25 @@ class PackedInputs:
     padded_to_packed: Tensor
 
 
-def pack_inputs(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> PackedInputs:
+def pack_inputs(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    *,
+    prompt_length: int = 0,
+    prompt_source: Tensor | None = None,
+) -> PackedInputs:
     """Remove padding. input_ids/attention_mask (B, L); position_ids (B, L) or (B, R, L), R = 3 or 4.
 
     For R = 4 the first row (text positions) is rebuilt; rows R-3 .. R-1 are the mRoPE rows.
     Each sequence's valid tokens must form one run that starts at text position 0 (left-padded
     prompt + right-padded response does); a sequence with no valid token is an error.
+
+    Shared prompts: ``prompt_source`` (B,) gives for each row the row whose prompt (columns
+    ``0 .. prompt_length - 1``, identical to its own) it reuses, itself for a row packed whole. A
+    row that reuses an earlier one's prompt contributes only its response tokens, right after its
+    source's tokens and its source's other followers' (rows must be grouped so); its padded prompt
+    positions map to its source's packed tokens in ``padded_to_packed``.
     """
     mask = attention_mask.bool()
     B, L = mask.shape
@@ -157,16 +269,31 @@ def pack_inputs(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor)
     if bool((lengths == 0).any()):
         empty = torch.nonzero(lengths == 0).reshape(-1).tolist()
         raise ValueError(f"pack_inputs: sequences {empty} have no attended token (attention_mask all False)")
-    token_index = torch.nonzero(mask.reshape(-1)).reshape(-1)  # (N,)
+    rows = torch.arange(B, device=mask.device)
+    keep = mask
+    followers = None
+    if prompt_source is not None:
+        prompt_source = prompt_source.to(mask.device)
+        followers = prompt_source != rows
+        # a follower's tokens must land right after its prompt's trunk: its source is its predecessor's
+        grouped = torch.ones_like(followers)
+        grouped[1:] = prompt_source[1:] == prompt_source[:-1]
+        if bool((followers & ~grouped).any()):
+            bad = torch.nonzero(followers & ~grouped).reshape(-1).tolist()
+            raise ValueError(f"pack_inputs: rows {bad} reuse a prompt that is not their predecessor's (or its source)")
+        keep = mask.clone()
+        keep[followers, :prompt_length] = False
+    token_index = torch.nonzero(keep.reshape(-1)).reshape(-1)  # (N,)
     N = token_index.numel()
     padded_to_packed = torch.full((B * L,), -1, dtype=torch.long, device=mask.device)
     padded_to_packed[token_index] = torch.arange(N, device=mask.device)
     padded_to_packed = padded_to_packed.view(B, L)
+    if followers is not None and bool(followers.any()):
+        sources = prompt_source[followers]
+        padded_to_packed[followers, :prompt_length] = padded_to_packed[sources, :prompt_length]
 
-    # text positions 0..len-1 per sequence: arange minus the packed offset of the sequence start
-    offsets = torch.cumsum(lengths, 0) - lengths  # (B,)
-    seq_of_token = torch.repeat_interleave(torch.arange(B, device=mask.device), lengths)  # (N,)
-    text_positions = torch.arange(N, device=mask.device) - offsets[seq_of_token]  # (N,)
+    # text positions 0..len-1 per sequence (a follower's response continues after its prompt)
+    text_positions = (mask.long().cumsum(-1) - 1).reshape(-1)[token_index]  # (N,)
 
     if position_ids.dim() == 2:
         packed_positions = position_ids.reshape(-1)[token_index]

@@ -147,7 +147,10 @@ class ActorWorker:
         self._offloaded = False
 
     def _forward_kwargs(self) -> dict[str, Any]:
-        return dict(padding_free=self.config.padding_free, device=self.device, dummy_image=self.dummy_image)
+        return dict(
+            padding_free=self.config.padding_free, share_prompts=self.config.share_prompts,
+            device=self.device, dummy_image=self.dummy_image,
+        )
 
     # ------------------------------------------------------------------ experience
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False) -> Batch:

@@ -94,8 +94,8 @@ class CriticWorker:
     def _values(self, batch: Batch) -> Tensor:
         """(B, T) values of the states before each response token (0 at padding)."""
         out, valid = outputs_with_vision(
-            self.model, batch, padding_free=self.config.padding_free, device=self.device,
-            dummy_image=self.dummy_image, lm_head=False,
+            self.model, batch, padding_free=self.config.padding_free, share_prompts=self.config.share_prompts,
+            device=self.device, dummy_image=self.dummy_image, lm_head=False,
         )  # (K, 1)
         return scatter_response(out[:, 0].float(), valid)
 

@@ -107,6 +107,39 @@ def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
     return mask[:, P:] & mask[:, P - 1 : L - 1]
 
 
+def _same_item(a: dict | None, b: dict | None) -> bool:
+    """Whether two samples' multi-modal inputs are identical (same keys, equal tensors)."""
+    a, b = a or {}, b or {}
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def shared_prompt_sources(batch: Batch, prompt_length: int) -> Tensor:
+    """(B,) long: for each row, the first row of its run of consecutive rows with the same prompt
+    (tokens, attention mask and positions in columns ``0 .. prompt_length - 1``, and images).
+    GRPO's n samples of a prompt are such a run. [p, p, q, p] -> [0, 0, 2, 3]."""
+    ids, mask, pos = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
+    B = ids.shape[0]
+    P = prompt_length
+    same = (mask[1:, :P] == mask[:-1, :P]).all(-1)
+    same &= ((ids[1:, :P] == ids[:-1, :P]) | ~mask[1:, :P]).all(-1)
+    same &= (pos[1:, ..., :P] == pos[:-1, ..., :P]).flatten(1).all(-1)
+    items = batch.get(MULTI_MODAL_KEY) or [None] * B
+    sources = list(range(B))
+    for b, equal in enumerate(same.tolist(), start=1):
+        if equal and _same_item(items[b], items[b - 1]):
+            sources[b] = sources[b - 1]
+    return torch.tensor(sources, dtype=torch.long)
+
+
 def response_outputs(
     model: nn.Module,
     batch: Batch,
@@ -114,6 +147,7 @@ def response_outputs(
     padding_free: bool,
     device: torch.device,
     lm_head: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Model outputs at the positions predicting the valid response tokens.
 
@@ -121,6 +155,8 @@ def response_outputs(
     ``responses`` (B, T), optionally object ``multi_modal_inputs``. Returns ``(outputs (K, C),
     valid (B, T))``: K = valid.sum(), rows in row-major order of ``valid``; C = V (logits) or 1 (values).
     ``lm_head``: the model takes ``logits_to_keep`` (causal LMs), so the head runs on K positions only.
+    ``share_prompts`` (padding-free only): consecutive rows with the same prompt and images run the
+    prompt (and its images) once; the outputs are the same (see ``easyvlm.models.padding_free``).
     """
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device).bool()
@@ -131,13 +167,20 @@ def response_outputs(
     if P < 1:
         raise ValueError(f"batch has input_ids of length {L} and responses of length {T}: no prompt token")
     valid = response_valid_mask(attention_mask, T)  # (B, T)
-    extra: dict[str, Any] = {
-        k: v.to(device) for k, v in concat_multi_modal_inputs(batch.get(MULTI_MODAL_KEY) or []).items()
-    }
+    items = list(batch.get(MULTI_MODAL_KEY) or [])
+    sources = None
+    if padding_free and share_prompts and B > 1:
+        sources = shared_prompt_sources(batch, P)
+        if items:  # a reused prompt's image tokens are not in the packed row: nor are its images
+            items = [item for b, item in enumerate(items) if int(sources[b]) == b]
+    extra: dict[str, Any] = {k: v.to(device) for k, v in concat_multi_modal_inputs(items).items()}
     extra["use_cache"] = False
 
     if padding_free:
-        packed = pack_inputs(input_ids, attention_mask, position_ids)
+        packed = pack_inputs(
+            input_ids, attention_mask, position_ids, prompt_length=P,
+            prompt_source=None if sources is None else sources.to(device),
+        )
         index = packed.padded_to_packed[:, P - 1 : L - 1][valid]  # (K,) packed positions
         if lm_head:
             extra["logits_to_keep"] = index
@@ -259,6 +302,7 @@ def outputs_with_vision(
     device: torch.device,
     dummy_image: DummyImage | None,
     lm_head: bool = True,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """:func:`response_outputs`, after adding ``dummy_image`` to a micro-batch without images
     (vision-language models: every rank runs the vision tower). Returns ((K, C), valid (B, T))."""
@@ -266,7 +310,9 @@ def outputs_with_vision(
     check_no_videos(batch)
     if dummy_image is not None and not has_images(batch):
         batch = with_dummy_image(batch, dummy_image)
-    out, valid = response_outputs(model, batch, padding_free=padding_free, device=device, lm_head=lm_head)
+    out, valid = response_outputs(
+        model, batch, padding_free=padding_free, device=device, lm_head=lm_head, share_prompts=share_prompts
+    )
     return out, valid[:B]
 
 
@@ -280,6 +326,7 @@ def policy_logprobs(
     device: torch.device,
     dummy_image: DummyImage | None,
     blocked_token_ids: Sequence[int] | None = None,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """(B, T) log-probs of ``responses`` under softmax(logits / temperature) over the ids the
     rollout may sample, 0 at padding, and, if asked, the (B, T) entropies of those distributions.
@@ -289,7 +336,7 @@ def policy_logprobs(
     if blocked_token_ids is None:
         blocked_token_ids = model_blocked_token_ids(model)
     logits, valid = outputs_with_vision(
-        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image
+        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts
     )  # (K, V)
     logits = sampling_logits(logits, temperature, blocked_token_ids)  # (K, V) float32
     labels = batch["responses"].to(device)[valid]  # (K,)
@@ -312,6 +359,7 @@ def policy_logprobs_for_batch(
     device: torch.device,
     dummy_image: DummyImage | None,
     blocked_token_ids: Sequence[int] | None = None,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
     from easyvlm.workers.training import equalize_micro_batches
@@ -322,6 +370,7 @@ def policy_logprobs_for_batch(
         lp, ent = policy_logprobs(
             model, micro, temperature=temperature, with_entropy=with_entropy,
             padding_free=padding_free, device=device, dummy_image=dummy_image, blocked_token_ids=blocked_token_ids,
+            share_prompts=share_prompts,
         )
         if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
             logprobs.append(lp.cpu())

@@ -67,7 +67,7 @@ class RefWorker:
         logprobs, _ = policy_logprobs_for_batch(
             self.model, batch, micro_batch_size=size, budget=token_budget(self.actor_config, size, batch),
             temperature=self.temperature, with_entropy=False, padding_free=self.actor_config.padding_free,
-            device=self.device, dummy_image=self.dummy_image,
+            share_prompts=self.actor_config.share_prompts, device=self.device, dummy_image=self.dummy_image,
         )
         return Batch({"ref_logprobs": logprobs})
 

@@ -11,9 +11,12 @@ from PIL import Image
 
 from easyvlm.models.padding_free import (
     VARLEN_ATTENTION,
+    Segment,
     cu_seqlens_from_position_ids,
     pack_inputs,
+    packed_segments,
     register_varlen_attention,
+    varlen_attention_forward,
 )
 
 
@@ -59,6 +62,66 @@ def test_pack_inputs_by_hand():
         pack_inputs(input_ids, mask, torch.tensor([[0, 1, 2, 3], [0, 1, 0, 0]]))
     with pytest.raises(ValueError, match=r"sequences \[1\] have no attended token"):
         pack_inputs(input_ids, torch.tensor([[True] * 4, [False] * 4]), pos)
+
+
+def test_packed_segments_by_hand():
+    # trunk of 4 (positions 0-3), two branches on its first 2 tokens (positions restart at 2), then
+    # a new trunk of 2 and a branch of 1 on its first token
+    positions = [0, 1, 2, 3, 2, 3, 4, 2, 0, 1, 1]
+    assert packed_segments(positions) == [
+        Segment(0, 4),
+        Segment(4, 3, prefix=2, trunk_start=0),
+        Segment(7, 1, prefix=2, trunk_start=0),
+        Segment(8, 2),
+        Segment(10, 1, prefix=1, trunk_start=8),
+    ]
+    # plain packing: every sequence is a trunk
+    assert packed_segments([0, 1, 2, 0, 1, 0]) == [Segment(0, 3), Segment(3, 2), Segment(5, 1)]
+    with pytest.raises(ValueError, match="start at position 3 but the preceding sequence has 2 tokens"):
+        packed_segments([0, 1, 3, 4])
+    with pytest.raises(ValueError, match="start at position 2 but the preceding sequence has 0 tokens"):
+        packed_segments([2, 3])
+
+
+def test_pack_inputs_with_a_shared_prompt_by_hand():
+    # P = 3, T = 2. Rows 0 and 1 share the prompt [pad 11 12]; row 2 has its own, [31 32 33].
+    input_ids = torch.tensor([[0, 11, 12, 13, 14], [0, 11, 12, 23, 0], [31, 32, 33, 34, 35]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1]]).bool()
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    packed = pack_inputs(input_ids, mask, pos, prompt_length=3, prompt_source=torch.tensor([0, 0, 2]))
+    # row 1 keeps only its response token 23, at text position 2 (right after its 2 prompt tokens)
+    assert packed.input_ids.tolist() == [[11, 12, 13, 14, 23, 31, 32, 33, 34, 35]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 3, 4]]
+    # row 1's prompt columns point at row 0's packed prompt tokens
+    assert packed.padded_to_packed.tolist() == [[-1, 0, 1, 2, 3], [-1, 0, 1, 4, -1], [5, 6, 7, 8, 9]]
+    assert packed_segments(packed.position_ids[0].tolist())[1] == Segment(4, 1, prefix=2, trunk_start=0)
+    # a follower must come right after its source's group
+    with pytest.raises(ValueError, match=r"rows \[2\] reuse a prompt that is not their predecessor's"):
+        pack_inputs(input_ids, mask, pos, prompt_length=3, prompt_source=torch.tensor([0, 1, 0]))
+
+
+@pytest.mark.parametrize("heads_kv", [4, 2])
+def test_shared_prefix_attention_equals_a_dense_mask(heads_kv):
+    # positions [0 1 2 3 4 | 3 4 5 | 3 4 5 | 3 | 0 1 | 1 2]: trunk 5, three branches on its first
+    # 3 tokens (two of equal length: one batched call), trunk 2, one branch on its first token.
+    positions = [0, 1, 2, 3, 4, 3, 4, 5, 3, 4, 5, 3, 0, 1, 1, 2]
+    N, H, D = len(positions), 4, 8
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, H, N, D, generator=gen)
+    k, v = torch.randn(2, 1, heads_kv, N, D, generator=gen)
+    # the dense reference: token i sees token j iff j is in its own segment at or before it, or in
+    # its trunk's first `prefix` tokens
+    allowed = torch.zeros(N, N, dtype=torch.bool)
+    for seg in packed_segments(positions):
+        for i in range(seg.start, seg.start + seg.length):
+            allowed[i, seg.start : i + 1] = True
+            allowed[i, seg.trunk_start : seg.trunk_start + seg.prefix] = True
+    assert allowed[5].tolist() == [1, 1, 1, 0, 0, 1] + [0] * 10  # first branch token: 3 prompt tokens + itself
+    kr, vr = (t.repeat_interleave(H // heads_kv, dim=1) for t in (k, v))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=allowed).transpose(1, 2)
+    module = torch.nn.Module()
+    out, _ = varlen_attention_forward(module, q, k, v, None, position_ids=torch.tensor([positions]))
+    torch.testing.assert_close(out, expected)
 
 
 def _varlen_copy(model_dir: str, auto_cls, attn):

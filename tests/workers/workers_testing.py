@@ -18,8 +18,11 @@ def make_rl_batch(
     prompts: list[tuple[str, tuple[int, int] | None]],
     response_lengths: list[int],
     seed: int = 0,
+    n: int = 1,
 ) -> Batch:
     """prompts: (question, image (width, height) or None) per sample; response_lengths: tokens per sample.
+    ``n``: each prompt (with its image) is repeated n times in a row, as the rollout's groups are;
+    ``response_lengths`` then has len(prompts) * n entries.
 
     Returns tensors input_ids, attention_mask (B, P+T), position_ids (B, 4, P+T), responses,
     response_mask (B, T), and objects multi_modal_inputs.
@@ -42,6 +45,7 @@ def make_rl_batch(
         ids.append(enc["input_ids"][0])
         positions.append(pos[0])
         mm_inputs.append({"pixel_values": enc["pixel_values"], "image_grid_thw": grid} if size else {})
+    ids, positions, mm_inputs = ([x for x in xs for _ in range(n)] for xs in (ids, positions, mm_inputs))
     pad = tokenizer.pad_token_id
     prompt_ids = left_pad(ids, pad)  # (B, P)
     P = prompt_ids.shape[1]
@@ -49,7 +53,7 @@ def make_rl_batch(
     prompt_pos = left_pad(positions, 0)
     T = max(response_lengths)
     gen = torch.Generator().manual_seed(seed)
-    responses = torch.randint(0, 256, (len(prompts), T), generator=gen)
+    responses = torch.randint(0, 256, (len(ids), T), generator=gen)
     response_mask = torch.arange(T)[None, :] < torch.tensor(response_lengths)[:, None]  # (B, T)
     responses = responses.masked_fill(~response_mask, pad)
     return Batch(
