@@ -59,6 +59,7 @@ def easyvlm_overrides(model_dir: str, prompts: int, n: int, max_response: int, s
         f"worker.actor.micro_batch_size_per_device_for_experience={micro}",
         "worker.actor.model.enable_gradient_checkpointing=false",
         "worker.actor.loss_avg_mode=token",
+        "worker.actor.entropy_coeff=0",  # TRL has no entropy bonus (the demo config has one)
         "worker.actor.max_grad_norm=1.0",
         f"worker.actor.optim.lr={lr}",
         "worker.actor.optim.weight_decay=0.01",

@@ -257,7 +257,7 @@ def test_example_config_is_valid():
     assert find_problems(cfg) == []
     assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-synthetic"
     # the demo: 64 prompts x 4 samples on one CPU process, one PPO mini-batch (on-policy)
-    assert (cfg.worker.rollout.n, cfg.data.rollout_batch_size, cfg.worker.actor.global_batch_size) == (4, 64, 64)
+    assert (cfg.worker.rollout.n, cfg.data.rollout_batch_size, cfg.worker.actor.global_batch_size) == (8, 32, 32)
     assert (cfg.worker.rollout.tensor_parallel_size, cfg.trainer.n_gpus_per_node) == (1, 1)
 
 
