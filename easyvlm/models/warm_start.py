@@ -17,8 +17,9 @@ What was measured (colour questions, greedy accuracy; see docs/benchmarks.md for
   (response_length/mean 2.0), but with answer_rate 0 or 0.6 (200 steps) sampled validation accuracy
   stays at chance (0.18-0.26) over 50 GRPO steps at lr 3e-4; at lr 1e-3 the first Adam step moves
   the policy by KL ~1 (every parameter moves by ~lr whatever its gradient's signal-to-noise).
-  What learns: colour questions only, 64 prompts x 4 samples per step at lr 3e-4 (many different
-  images per step): validation accuracy 0.19 -> 0.57 in 150 steps (examples/config.yaml, seed 1).
+  What learns: colour questions only, many different images per step, enough samples per prompt
+  and a KL pull towards this undecided start (examples/config.yaml: 32 prompts x 8 samples, lr
+  3e-4, KL coefficient 0.1): validation accuracy +0.59 to +0.68 in 300 steps over 3 seeds.
 
 The prompts are built by the project's own data pipeline (`PromptEncoder`, the chat template and
 the synthetic format prompt), so the warm start sees exactly the tokens RL will see. Deterministic
