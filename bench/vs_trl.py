@@ -324,6 +324,12 @@ def mode_overhead(args) -> None:
     res = {"rows": rows, "worker_exec": json.loads((Path(out_dir) / "worker_exec.json").read_text())}
     # the demo: KL loss (reference log-probs), one mini-batch (old log-probs skipped)
     table = {**_timing_table("demo", rows), **_exec_table(res, ["generate", "compute_ref_logprobs", "update_actor"])}
+    if "exec_unmatched_calls" in table:  # events lost: the per-call split would be wrong
+        raise SystemExit(
+            f"overhead: Ray's timeline holds {int(table['exec_unmatched_calls'])} worker calls for "
+            f"{len(rows)} steps x 3; it drops events of the last calls when the run ends. Rerun "
+            "(fewer --steps lose fewer; 4 is the default)."
+        )
     sync = json.loads((Path(out_dir) / "sync.json").read_text())
     step = table["step"]
     compute = table.get("exec_generate", 0) - sync["median_s"] + table.get("exec_compute_logprobs", 0) \
