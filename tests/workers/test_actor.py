@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, make_rl_batch, reference_logprobs
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, assert_logprobs_match_reference, make_rl_batch, reference_logprobs
 
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.config.schema import LoraConfig
@@ -58,11 +58,7 @@ def weights(worker: ActorWorker) -> dict[str, torch.Tensor]:
 def test_compute_logprobs_match_transformers(process_group, tiny_model_path, batch, reference_model, padding_free):
     actor = make_actor(tiny_model_path, padding_free=padding_free)
     out = actor.compute_logprobs(batch, with_entropy=True)
-    expected_logprobs, expected_entropies = reference_logprobs(reference_model, batch, TEMPERATURE)
-    mask = batch["response_mask"]
-    torch.testing.assert_close(out["old_logprobs"][mask], expected_logprobs[mask])
-    torch.testing.assert_close(out["entropies"][mask], expected_entropies[mask])
-    assert torch.all(out["old_logprobs"][~mask] == 0)
+    assert_logprobs_match_reference(out, reference_model, batch, TEMPERATURE)
 
 
 def test_dynamic_batching_gives_the_same_logprobs(process_group, tiny_model_path, batch):

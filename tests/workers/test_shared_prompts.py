@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workers_testing import PROMPTS, actor_config, make_rl_batch, reference_logprobs
+from workers_testing import PROMPTS, actor_config, assert_logprobs_match_reference, make_rl_batch
 
 from easyvlm.workers.actor import ActorWorker
 
@@ -47,11 +47,7 @@ def test_shared_logprobs_match_transformers(process_group, tiny_model_path, grou
     actor = make_actor(tiny_model_path, share_prompts=True, micro_batch_size_per_device_for_experience=micro)
     out = actor.compute_logprobs(group_batch, with_entropy=True)
     reference = AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
-    expected_logprobs, expected_entropies = reference_logprobs(reference, group_batch, TEMPERATURE)
-    mask = group_batch["response_mask"]
-    torch.testing.assert_close(out["old_logprobs"][mask], expected_logprobs[mask])
-    torch.testing.assert_close(out["entropies"][mask], expected_entropies[mask])
-    assert torch.all(out["old_logprobs"][~mask] == 0)
+    assert_logprobs_match_reference(out, reference, group_batch, TEMPERATURE)
 
 
 def test_shared_prompts_shorten_the_packed_row(process_group, tiny_model_path, group_batch):

@@ -106,6 +106,16 @@ def actor_config(model_path: str, **overrides):
     return ActorConfig(model=model, optim=optim, **defaults)
 
 
+def assert_logprobs_match_reference(out: Batch, reference, batch: Batch, temperature: float) -> None:
+    """``out`` (compute_logprobs with entropies) equals :func:`reference_logprobs` on the response
+    tokens (default tolerances of float32) and is 0 at padding."""
+    expected_logprobs, expected_entropies = reference_logprobs(reference, batch, temperature)
+    mask = batch["response_mask"]
+    torch.testing.assert_close(out["old_logprobs"][mask], expected_logprobs[mask])
+    torch.testing.assert_close(out["entropies"][mask], expected_entropies[mask])
+    assert torch.all(out["old_logprobs"][~mask] == 0)
+
+
 def reference_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent (B, T) log-probs and entropies: one unpadded transformers forward per sample.
 
