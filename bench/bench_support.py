@@ -4,11 +4,14 @@
   response of both frameworks runs to the maximum length (equal work, no forcing flag needed);
 - ``model_params`` / ``essential_flops``: the FLOP count the efficiency figure divides by;
 - ``matmul_peak``: the machine's fp32 matmul throughput, measured;
-- ``TreeMemory``: peak resident memory of a process tree (the driver plus Ray's processes).
+- ``TreeMemory``: peak resident memory of a process tree (the driver plus Ray's processes);
+- ``example_args`` / ``bench_plan``: the run plan of the demo config with a benchmark's settings,
+  built as ``easyvlm.trainer.main`` builds it, so workers and engines get the trainer's specs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,8 +20,34 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def example_args(*overrides: str) -> list[str]:
+    """Command-line arguments of the demo config (examples/config.yaml) with ``overrides``; its
+    relative paths made absolute, so that a script may run from any directory."""
+    return [
+        f"config={REPO / 'examples' / 'config.yaml'}",
+        f"data.format_prompt={REPO / 'format_prompts' / 'synthetic.jinja'}",
+        f"worker.reward.reward_function={REPO / 'reward_functions' / 'synthetic.py'}:compute_score",
+        *overrides,
+    ]
+
+
+def bench_plan(args: Sequence[str], total_steps: int = 1):
+    """The `RunPlan` of ``args`` (``config=...`` and ``key=value``, see :func:`example_args`), built
+    as ``easyvlm.trainer.main`` builds it: validated (exit 2 with every problem), model files loaded
+    once; the trained roles' schedule is ``total_steps`` long (``easyvlm.trainer.loop`` sets it)."""
+    from easyvlm.plan.specs import with_total_steps
+    from easyvlm.trainer.main import plan_run
+
+    plan = plan_run(list(args))
+    critic = with_total_steps(plan.critic, total_steps) if plan.critic is not None else None
+    return dataclasses.replace(plan, actor=with_total_steps(plan.actor, total_steps), critic=critic)
 
 # the residual-stream channel that carries the constant which keeps EOS logits far below the others
 EOS_CHANNEL = 0
@@ -43,7 +72,7 @@ def eos_free_model(model: str, out_root: str | os.PathLike | None = None) -> str
     """
     from safetensors.torch import load_file, save_file
 
-    from easyvlm.models.builtin import resolve_model_path
+    from easyvlm.builtin.models import resolve_model_path
 
     src = Path(resolve_model_path(model))
     out = Path(out_root or src.parent) / f"{src.name}-eosfree"

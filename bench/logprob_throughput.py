@@ -7,7 +7,10 @@ A single-process gloo group (rank 0 of 1) on the CPU, or the current CUDA device
 what RL batches look like: 2/3 of the prompts carry an image (two sizes), 1/3 are text-only, prompt
 lengths vary, and response lengths are long-tailed (log-normal, clipped to --max-response), so the
 padded layout wastes most of its positions on padding. Reported: attended tokens (prompt +
-response) per second, the median of --repeats timed runs after one warm-up run.
+response) per second, the median of --repeats timed runs after one warm-up run. Each worker is
+built from the run plan of the demo config with the layout's settings (``bench_support.bench_plan``);
+everything else a log-prob pass reads (shared prompts, no token budget, torch.compile on, the
+rollout temperature 1) is the config schema's default, as in earlier runs.
 """
 
 from __future__ import annotations
@@ -17,17 +20,20 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from easyvlm.config.schema import ActorConfig, ModelConfig
-from easyvlm.data.batch import Batch
-from easyvlm.data.collate import left_pad
-from easyvlm.models.builtin import resolve_model_path
-from easyvlm.models.position_ids import extend_position_ids, get_position_ids
-from easyvlm.workers.actor import ActorWorker
-from easyvlm.workers.dist import init_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_support import bench_plan, example_args  # noqa: E402
+
+from easyvlm.data.batch import Batch  # noqa: E402
+from easyvlm.data.collate import left_pad  # noqa: E402
+from easyvlm.models.position_ids import extend_position_ids, get_position_ids  # noqa: E402
+from easyvlm.workers.actor import ActorWorker  # noqa: E402
+from easyvlm.workers.dist import init_distributed  # noqa: E402
 
 QUESTIONS = [
     "What colour is the shape?",
@@ -38,13 +44,24 @@ QUESTIONS = [
 ]
 
 
-def make_batch(model_dir: str, batch_size: int, max_response: int, seed: int = 0) -> Batch:
-    """A realistic RL batch (layout as the trainer builds it) with random response tokens."""
-    from PIL import Image
-    from transformers import AutoConfig, AutoProcessor
+def actor_spec(model: str, micro: int, padding_free: bool, dynamic_batching: bool):
+    """The actor's slice of the demo config's plan with one layout, ``micro`` samples per pass."""
+    return bench_plan(example_args(
+        f"worker.actor.model.model_path={model}",
+        f"worker.actor.micro_batch_size_per_device_for_experience={micro}",
+        f"worker.actor.padding_free={str(padding_free).lower()}",
+        f"worker.actor.dynamic_batching={str(dynamic_batching).lower()}",
+        "worker.actor.model.enable_gradient_checkpointing=false",
+        "worker.actor.use_torch_compile=true",  # the schema's default (the demo config turns it off)
+    )).actor
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+
+def make_batch(spec, batch_size: int, max_response: int, seed: int = 0) -> Batch:
+    """A realistic RL batch (layout as the trainer builds it) with random response tokens, from the
+    plan's processor and model config (``spec``: an `ActorSpec`)."""
+    from PIL import Image
+
+    processor, hf_config = spec.files.processor, spec.model.hf_config
     tokenizer = processor.tokenizer
     rng = np.random.default_rng(seed)
     ids, positions, mm_inputs = [], [], []
@@ -104,26 +121,21 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     init_distributed()
-    model_dir = resolve_model_path(args.model)
-    batch = make_batch(model_dir, args.batch, args.max_response)
-    attended = int(batch["attention_mask"].sum())
-    print(f"model {args.model}; batch {args.batch} x {batch['input_ids'].shape[1]} positions, "
-          f"{attended} attended tokens ({attended / batch['attention_mask'].numel():.0%}); "
-          f"torch threads {torch.get_num_threads()}; device {'cuda' if torch.cuda.is_available() else 'cpu'}")
     variants = {
         "padded": dict(padding_free=False, dynamic_batching=False),
         "padding-free": dict(padding_free=True, dynamic_batching=False),
         "padding-free + dynamic batching": dict(padding_free=True, dynamic_batching=True),
     }
-    print(f"| layout | median s | tokens/s | speed-up |\n|---|---|---|---|")
+    specs = {name: actor_spec(args.model, args.micro, **flags) for name, flags in variants.items()}
+    batch = make_batch(specs["padded"], args.batch, args.max_response)
+    attended = int(batch["attention_mask"].sum())
+    print(f"model {args.model}; batch {args.batch} x {batch['input_ids'].shape[1]} positions, "
+          f"{attended} attended tokens ({attended / batch['attention_mask'].numel():.0%}); "
+          f"torch threads {torch.get_num_threads()}; device {'cuda' if torch.cuda.is_available() else 'cpu'}")
+    print("| layout | median s | tokens/s | speed-up |\n|---|---|---|---|")
     base = None
-    for name, flags in variants.items():
-        cfg = ActorConfig(
-            model=ModelConfig(model_path=model_dir, enable_gradient_checkpointing=False),
-            micro_batch_size_per_device_for_experience=args.micro,
-            **flags,
-        )
-        worker = ActorWorker(cfg, rank=0, world_size=1, total_steps=1)
+    for name, spec in specs.items():
+        worker = ActorWorker(spec, rank=0, world_size=1)
         median = statistics.median(time_logprobs(worker, batch, args.repeats))
         base = base or median
         print(f"| {name} | {median:.3f} | {attended / median:,.0f} | {base / median:.2f}x |", flush=True)

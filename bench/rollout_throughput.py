@@ -3,12 +3,14 @@
     PYTHONPATH=. python bench/rollout_throughput.py [--model builtin:tiny-qwen2.5-vl] [--prompts 32]
         [--n 8] [--tokens 64] [--repeats 3] [--engines hf,vllm] [--threads 2]
 
-Prompts come from the built-in synthetic data set through the real data pipeline (one image per
-prompt, the demo's pixel limits). Every sequence generates exactly --tokens tokens
-(``ignore_eos``), so both engines do the same work: prompts x n x tokens per run. Reported: the
-median of --repeats timed runs after one warm-up run, plus the engine build time. The transformers
-engine runs first: building a vLLM CPU engine changes process-wide torch settings (it turns
-``torch.set_num_threads`` into a no-op), which must not touch the other engine's numbers.
+Each engine is built from the run plan of the demo config (examples/config.yaml) with these
+settings, as the trainer builds it (``bench_support.bench_plan``). Prompts come from the built-in
+synthetic data set through the real data pipeline (one image per prompt, the demo's pixel limits).
+Every sequence generates exactly --tokens tokens (``worker.rollout.ignore_eos``), so both engines
+do the same work: prompts x n x tokens per run. Reported: the median of --repeats timed runs after
+one warm-up run, plus the engine build time. The transformers engine runs first: building a vLLM
+CPU engine changes process-wide torch settings (it turns ``torch.set_num_threads`` into a no-op),
+which must not touch the other engine's numbers.
 --threads sets torch's intra-op threads before anything is built (the in-process vLLM engine uses
 the process's threads too). On a shared, loaded machine 1 thread can be much faster than 2
 (OpenMP threads spin while waiting for a busy core).
@@ -17,59 +19,65 @@ the process's threads too). On a shared, loaded machine 1 thread can be much fas
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def prompt_batch(model_dir: str, prompts: int):
-    from transformers import AutoConfig, AutoProcessor
+from bench_support import bench_plan, example_args  # noqa: E402
 
-    from easyvlm.config.schema import DataConfig
+
+def engine_plan(engine_name: str, model: str, data_file: str, args: argparse.Namespace):
+    """The run plan of one engine: the demo's data settings (56x56 px images, 4 image tokens each;
+    no format prompt: the raw questions), every sequence sampled to --tokens tokens (ignore_eos)."""
+    return bench_plan(example_args(
+        f"worker.actor.model.model_path={model}",
+        f"data.train_files={data_file}",
+        "data.format_prompt=null",
+        f"data.max_response_length={args.tokens}",
+        f"worker.rollout.name={engine_name}",
+        f"worker.rollout.n={args.n}",
+        "worker.rollout.temperature=1.0",
+        "worker.rollout.ignore_eos=true",
+        f"worker.rollout.max_num_seqs={args.prompts * args.n}",
+        "worker.rollout.max_num_batched_tokens=16384",
+        "worker.rollout.disable_tqdm=true",
+    ))
+
+
+def prompt_batch(plan, prompts: int):
+    """The first ``prompts`` rows of the plan's training file, through the real data pipeline."""
     from easyvlm.data.collate import collate_prompts
     from easyvlm.data.dataset import RLDataset
-    from easyvlm.data.synthetic import materialize_dataset
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    data_file = str(materialize_dataset("train", num_samples=prompts))
-    # the demo's data settings (examples/config.yaml): 56x56 px images, 4 image tokens each
-    config = DataConfig(
-        train_files=data_file, prompt_key="problem", min_pixels=3136, max_pixels=50176, max_prompt_length=256
-    )
-    dataset = RLDataset(data_file, config, processor.tokenizer, processor, AutoConfig.from_pretrained(model_dir))
-    return collate_prompts([dataset[i] for i in range(prompts)], dataset.pad_token_id), processor.tokenizer, config
+    data, bundle = plan.config.data, plan.bundle
+    dataset = RLDataset(data.train_files, data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
+    return collate_prompts([dataset[i] for i in range(prompts)], dataset.pad_token_id)
 
 
-def run(engine_name: str, model_dir: str, args: argparse.Namespace) -> dict:
-    from easyvlm.config.schema import RolloutConfig
-    from easyvlm.data.images import vllm_mm_processor_kwargs
+def run(engine_name: str, data_file: str, args: argparse.Namespace) -> dict:
     from easyvlm.rollout.factory import build_rollout
 
-    batch, tokenizer, data = prompt_batch(model_dir, args.prompts)
-    config = RolloutConfig(
-        name=engine_name, n=args.n, temperature=1.0, max_num_seqs=args.prompts * args.n, disable_tqdm=True,
-        max_num_batched_tokens=16384,
-    )
+    plan = engine_plan(engine_name, args.model, data_file, args)
+    batch = prompt_batch(plan, args.prompts)
     start = time.perf_counter()
-    engine = build_rollout(
-        config, model_dir, tokenizer, data.max_prompt_length, args.tokens,
-        mm_processor_kwargs=vllm_mm_processor_kwargs(data.min_pixels, data.max_pixels),
-    )
+    engine = build_rollout(plan.rollout)
     build_s = time.perf_counter() - start
     # Warm-up, and proof that every sequence generates --tokens tokens: generate()'s padded output
     # cannot show it (the pad id is also an EOS id), so ask the engine's sampler for the raw lists.
-    sampling = dataclasses.replace(engine.sampling, ignore_eos=True)
-    responses, _ = engine._sample(batch.repeat(args.n), sampling)
+    responses, _ = engine._sample(batch.repeat(args.n), engine.sampling)
     if {len(r) for r in responses} != {args.tokens}:
         raise RuntimeError(f"{engine_name}: response lengths {sorted({len(r) for r in responses})}, expected {args.tokens}")
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        engine.generate(batch, ignore_eos=True)
+        engine.generate(batch)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return {
@@ -97,10 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from easyvlm.models.builtin import resolve_model_path
+    from easyvlm.builtin.synthetic import materialize_dataset
 
-    model_dir = resolve_model_path(args.model)
-    results = [run(name, model_dir, args) for name in args.engines.split(",")]
+    data_file = str(materialize_dataset("train", num_samples=args.prompts))
+    results = [run(name, data_file, args) for name in args.engines.split(",")]
     machine = platform.processor() or platform.machine()
     print(
         f"\nrollout throughput: {args.model}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens, "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -76,7 +75,7 @@ def main(argv: list[str]) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from easyvlm.data.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic import materialize_dataset
 
     data_file = args.data or str(materialize_dataset("train"))
     rows = synthetic_rows(data_file, args.prompts * args.steps)

@@ -36,10 +36,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_support import TreeMemory, eos_free_model, essential_flops, fit_exponent, matmul_peak, model_params  # noqa: E402
+from bench_support import (  # noqa: E402
+    TreeMemory,
+    bench_plan,
+    eos_free_model,
+    essential_flops,
+    example_args,
+    fit_exponent,
+    matmul_peak,
+    model_params,
+)
 
 TINY = "builtin:tiny-qwen2.5-vl-synthetic"  # the demo's model
 BENCH = "builtin:bench-qwen2.5-vl"
+# Both frameworks' prompts: the built-in synthetic train split (TRL's side: trl_grpo.py, which reads
+# materialize_dataset("train")), not the demo config's colour-only split.
+DATA = "builtin:synthetic@train"
 GiB = 1024**3
 
 
@@ -49,6 +61,7 @@ def easyvlm_overrides(model_dir: str, prompts: int, n: int, max_response: int, s
     return [
         f"config={REPO / 'examples' / 'config.yaml'}",
         f"worker.actor.model.model_path={model_dir}",
+        f"data.train_files={DATA}",
         f"data.rollout_batch_size={prompts}",
         f"data.max_response_length={max_response}",
         "data.shuffle=false",
@@ -152,17 +165,13 @@ def timed_median(values: list[float]) -> float:
 
 
 def prompt_shapes(model_dir: str, count: int) -> tuple[list[int], list[int]]:
-    """(prompt tokens, vision patches) of the first ``count`` training prompts, as easyvlm encodes them."""
-    from transformers import AutoConfig, AutoProcessor
-
-    from easyvlm.config.loader import load_config
+    """(prompt tokens, vision patches) of the first ``count`` training prompts, as easyvlm encodes
+    them (the plan's data settings, tokenizer and processor)."""
     from easyvlm.data.dataset import RLDataset
-    from easyvlm.data.synthetic import materialize_dataset
 
-    data = load_config([f"config={REPO / 'examples' / 'config.yaml'}"]).data
-    data_file = str(materialize_dataset("train"))
-    processor = AutoProcessor.from_pretrained(model_dir)
-    dataset = RLDataset(data_file, _abs_format(data), processor.tokenizer, processor, AutoConfig.from_pretrained(model_dir))
+    plan = bench_plan(example_args(f"worker.actor.model.model_path={model_dir}", f"data.train_files={DATA}"))
+    data, bundle = plan.config.data, plan.bundle
+    dataset = RLDataset(data.train_files, data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
     tokens, patches = [], []
     for i in range(count):
         item = dataset[i]
@@ -170,13 +179,6 @@ def prompt_shapes(model_dir: str, count: int) -> tuple[list[int], list[int]]:
         grid = item["multi_modal_inputs"].get("image_grid_thw")
         patches.append(int(grid.prod(-1).sum()) if grid is not None else 0)
     return tokens, patches
-
-
-def _abs_format(data):
-    import dataclasses
-
-    return dataclasses.replace(data, format_prompt=str(REPO / "format_prompts" / "synthetic.jinja"),
-                               train_files=str(__import__("easyvlm.data.synthetic", fromlist=["x"]).materialize_dataset("train")))
 
 
 def summarize(name: str, res: dict, gen_tokens: int) -> dict:
@@ -323,11 +325,12 @@ def mode_overhead(args) -> None:
     rows = [json.loads(line) for line in (Path(out_dir) / "experiment_log.jsonl").read_text().splitlines() if line.strip()]
     res = {"rows": rows, "worker_exec": json.loads((Path(out_dir) / "worker_exec.json").read_text())}
     # the demo: KL loss (reference log-probs), one mini-batch (old log-probs skipped)
-    table = {**_timing_table("demo", rows), **_exec_table(res, ["generate", "compute_ref_logprobs", "update_actor"])}
+    methods = ["generate", "compute_ref_logprobs", "update_actor"]
+    table = {**_timing_table("demo", rows), **_exec_table(res, methods)}
     if "exec_unmatched_calls" in table:  # events lost: the per-call split would be wrong
         raise SystemExit(
             f"overhead: Ray's timeline holds {int(table['exec_unmatched_calls'])} worker calls for "
-            f"{len(rows)} steps x 3; it drops events of the last calls when the run ends. Rerun "
+            f"{len(rows)} steps x {len(methods)}; it drops events of the last calls when the run ends. Rerun "
             "(fewer --steps lose fewer; 4 is the default)."
         )
     sync = json.loads((Path(out_dir) / "sync.json").read_text())
@@ -394,15 +397,12 @@ def _worker_exec_times(ray) -> list[dict[str, float]]:
 
 
 def _time_weight_sync(overrides: list[str], repeats: int = 5) -> dict:
-    from easyvlm.config.cli import parse_and_validate
-    from easyvlm.config.derived import derive
-    from easyvlm.trainer.main import resolve_paths
+    """The hybrid worker of the run's plan, in this process: ``repeats`` syncs after one warm-up."""
     from easyvlm.workers.hybrid import HybridWorker
 
-    cfg = resolve_paths(parse_and_validate(overrides))
-    derived = derive(cfg)
+    plan = bench_plan(overrides, total_steps=10)
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    worker = HybridWorker(cfg, 10, derived.use_reference, "cpu")
+    worker = HybridWorker(plan.actor, plan.ref, plan.rollout)
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()

@@ -35,7 +35,7 @@ def easyvlm_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_path(easyvlm_cache_dir: Path) -> str:
     """Directory of the built-in ``tiny-qwen2.5-vl`` (HF format: model, tokenizer, processor)."""
-    from easyvlm.models.builtin import materialize_model
+    from easyvlm.builtin.models import materialize_model
 
     return str(materialize_model("tiny-qwen2.5-vl", cache_dir=easyvlm_cache_dir))
 
@@ -43,7 +43,7 @@ def tiny_model_path(easyvlm_cache_dir: Path) -> str:
 @pytest.fixture(scope="session")
 def synthetic_train_file(easyvlm_cache_dir: Path) -> str:
     """JSONL of a small synthetic train split (images beside it, paths relative to its directory)."""
-    from easyvlm.data.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic import materialize_dataset
 
     return str(materialize_dataset("train", cache_dir=easyvlm_cache_dir, num_samples=TEST_TRAIN_SIZE))
 
@@ -51,7 +51,7 @@ def synthetic_train_file(easyvlm_cache_dir: Path) -> str:
 @pytest.fixture(scope="session")
 def synthetic_val_file(easyvlm_cache_dir: Path) -> str:
     """JSONL of a small synthetic val split (disjoint from the train split)."""
-    from easyvlm.data.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic import materialize_dataset
 
     return str(materialize_dataset("val", cache_dir=easyvlm_cache_dir, num_samples=TEST_VAL_SIZE))
 

@@ -86,8 +86,10 @@ def kl_full(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
             f"{tuple(logprobs.shape)} and {tuple(ref_logprobs.shape)}"
         )
     probs = torch.exp(logprobs)
-    terms = torch.where(probs > 0, probs * (logprobs - ref_logprobs), torch.zeros_like(probs))
-    return terms.sum(-1)
+    # where() before the product: -inf - -inf = nan at removed ids must not reach the gradient
+    # (a where() after it would still send 0 * nan = nan back through the product)
+    difference = torch.where(probs > 0, logprobs - ref_logprobs, torch.zeros_like(probs))
+    return (probs * difference).sum(-1)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:

@@ -10,7 +10,8 @@ Metrics (floats, token means over this micro-batch's valid tokens; the actor ave
 active), ``pg_clipfrac_lower`` (A < 0 and the ratio below 1 - clip_ratio_low), ``pg_clipfrac_dual``
 (A < 0 and the dual clip active), ``ppo_kl`` (k1 estimate of KL(old || new), mean of
 old_logprobs - logprobs) and ``entropy_loss`` (mean of -logprobs, a one-sample estimate of the
-entropy; the exact entropy comes from logits, see ``entropy.py``).
+entropy; the exact entropy comes from logits, see ``entropy.py``). sapo reports no
+``pg_clipfrac_*`` but ``sapo_grad_scale`` (see :func:`sapo_loss`).
 
 Departures from the papers and from EasyR1:
 - EasyR1's ``pg_clipfrac_higher`` counts both sides of the ordinary clip and its
@@ -23,10 +24,19 @@ Departures from the papers and from EasyR1:
 - cispo: the clip bounds are ``1 - clip_ratio_low`` and ``1 + clip_ratio_high`` (the paper
   effectively uses no lower bound: set clip_ratio_low >= 1 for that). Its loss *value* is
   -w * A * logprob, not comparable with PPO's; its gradient is what matters.
+- sapo: EasyR1's form (per-token soft gate, configured aggregation), which agrees with the paper
+  (Gao et al., arXiv:2511.20347, the SAPO objective with the soft gate f_it(x) = 4/tau_it *
+  sigmoid(tau_it (x - 1))) on the gate and on the per-token ratio. Differences: tokens with A = 0
+  get tau_positive (the paper: tau_neg when A <= 0), which changes nothing since their loss and
+  gradient are 0 either way; the paper averages per sequence (1/G sum_i 1/|y_i| sum_t, i.e.
+  loss_avg_mode "seq"), easyvlm and EasyR1 use the configured ``loss_avg_mode`` (default "token");
+  the ratio comes from the clamped log-ratio like every loss here. No clip_ratio_* is used and no
+  pg_clipfrac_* is reported (nothing is clipped); ``sapo_grad_scale`` reports the soft attenuation.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,6 +68,10 @@ class PolicyLossInputs:
     """Epsilon above 1 (DAPO's clip-higher, arXiv:2503.14476): clipped at 1 + clip_ratio_high."""
     clip_ratio_dual: float = 3.0
     """Dual-clip constant c > 1: for A < 0 the loss is at most -A * c. arXiv:1912.09729."""
+    tau_positive: float = 1.0
+    """SAPO gate temperature for tokens with A >= 0 (larger = the gradient fades faster as r leaves 1)."""
+    tau_negative: float = 1.05
+    """SAPO gate temperature for tokens with A < 0; the paper keeps it above tau_positive. arXiv:2511.20347."""
     loss_avg_mode: str = "token"
     """Aggregation mode, see aggregation.py (aliases accepted)."""
     normalizer: float | None = None
@@ -76,6 +90,13 @@ class PolicyLossInputs:
             )
         if self.clip_ratio_dual <= 1.0:
             raise ValueError(f"clip_ratio_dual must be > 1 (dual-clip PPO), got {self.clip_ratio_dual}")
+        for key, tau in (("tau_positive", self.tau_positive), ("tau_negative", self.tau_negative)):
+            # the gate 4/tau * sigmoid(tau (r - 1)) divides by tau: 0, negative or inf/NaN makes no sense
+            if not (math.isfinite(tau) and tau > 0):
+                raise ValueError(
+                    f"worker.actor.{key} must be a finite number > 0 (a SAPO gate temperature), got {tau}; "
+                    "the paper's values are tau_positive=1.0, tau_negative=1.05"
+                )
         canonical_loss_avg_mode(self.loss_avg_mode)
 
 
@@ -239,4 +260,25 @@ def cispo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
         "pg_clipfrac_dual": 0.0,
         **_base_metrics(p),
     }
+    return loss, metrics
+
+
+@register_policy_loss("sapo")
+def sapo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """SAPO: l = -A * 4/tau * sigmoid(tau (r - 1)), a soft gate instead of the clip. arXiv:2511.20347.
+
+    r = exp(logprobs - old_logprobs) per token; tau = tau_positive where A >= 0, tau_negative where
+    A < 0. d l / d logprob = -A * w * r with w = 4 s (1 - s), s = sigmoid(tau (r - 1)): w = 1 at
+    r = 1 (the 4/tau makes the on-policy gradient the plain policy gradient -A for every tau) and
+    falls smoothly towards 0 as r leaves 1, faster for a larger tau. Shapes: (B, T) in, 0-d loss out.
+    Metric ``sapo_grad_scale``: token mean of w, the soft counterpart of 1 - clip fraction.
+    """
+    p = _prepare(inputs)
+    ratio = torch.exp(p.log_ratio)
+    tau = torch.where(p.advantages >= 0, inputs.tau_positive, inputs.tau_negative).to(ratio.dtype)  # (B, T)
+    gate_sigmoid = torch.sigmoid(tau * (ratio - 1.0))
+    token_losses = -p.advantages * (4.0 / tau) * gate_sigmoid
+    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    grad_scale = 4.0 * gate_sigmoid.detach() * (1.0 - gate_sigmoid.detach())
+    metrics = {"sapo_grad_scale": masked_mean(grad_scale, p.mask).item(), **_base_metrics(p)}
     return loss, metrics

@@ -45,10 +45,34 @@ rules that tie keys together, e.g. `data.rollout_batch_size` must be a multiple 
 multiple of `worker.actor.micro_batch_size_per_device_for_update x trainer.nnodes x
 trainer.n_gpus_per_node`; group estimators ({group}) need `worker.rollout.n > 1`; `gae` needs a
 critic model; `data.max_prompt_length + data.max_response_length <= worker.rollout.max_model_len`.
-Relative paths are relative to the working directory.
+Every key either acts (a test shows its effect) or is refused by this check when it asks for something
+easyvlm cannot do (e.g. `worker.hybrid_engine=false`, a logger whose package is missing); checks that
+need the model or the device (attention heads vs `ulysses_size`, tensor parallelism on the CPU) run
+when the model's config is loaded, still before Ray starts. Relative paths in the config are
+relative to the working directory; relative image paths in data rows are relative to
+`data.image_dir` if set, else to the data file's directory and then the working directory.
 
 `algorithm.adv_estimator` takes {estimators} or your own `path/to/file.py:func`;
 `worker.actor.loss_type` takes {losses} or `path/to/file.py:func`.
+"""
+
+
+_BEHAVIOUR = """Behaviour that differs with the same keys:
+
+- `algorithm.disable_kl=true` wins over `algorithm.use_kl_loss=true` as in EasyR1, with a notice at start.
+- `algorithm.kl_penalty=full` is the KL over the whole vocabulary (the reference's distribution is
+  computed beside the actor); EasyR1 passes it the sampled tokens' log-probs only.
+- Images get EasyR1's sizes (its two stages: `data.min_pixels`/`max_pixels` with truncated sides,
+  then the processor's own limits) in one resize from the original; images so thin that the result
+  would not be a fixed point of the processor's resizing are refused with the row named, where
+  EasyR1 lets vLLM and the trainer see different sizes.
+- On the CPU, models run in float32 whatever `worker.rollout.dtype` and `fsdp.mp_*` say, offloading
+  does nothing and vLLM runs eagerly with one rank (a notice at start says so).
+- `experiment_log.jsonl` holds flat `key: value` rows (EasyR1 nests them); `generations.log` marks
+  each validation's samples with a `[step] N` line.
+- `timing_s/reward` is the wait for the asynchronous reward after the log-prob passes.
+- Validation samples also go to `val_generations.jsonl` in the run directory.
+
 """
 
 
@@ -74,6 +98,7 @@ def render_reference() -> str:
     parts.append("## Differences from EasyR1\n")
     parts.append(f"Defaults that differ (each key's meaning says why): {', '.join(differs)}.\n")
     parts.append(f"Keys EasyR1 does not have: {', '.join(extras)}.\n")
+    parts.append(_BEHAVIOUR)
 
     first_seen: dict[type, str] = {}
     repeated: list[str] = []  # sections documented as "same keys as ...": their subsections are too

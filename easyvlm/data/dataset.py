@@ -16,8 +16,8 @@ counted in :attr:`RLDataset.report`.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -25,17 +25,22 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.data.images import ImageLoadError, check_pixel_limits, fit_image, image_factor, load_image
+from easyvlm.config.schema import DataConfig
+from easyvlm.data.images import (
+    ImageLoadError,
+    check_pixel_limits,
+    fit_image,
+    image_factor,
+    load_image,
+    processor_pixel_limits,
+)
 from easyvlm.data.loading import DataError, RowSource, describe, json_list_or_value, load_sources
 from easyvlm.data.prompts import PromptError, build_messages, render_prompt, resolve_chat_template
 from easyvlm.models.position_ids import get_position_ids
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right")
-BAD_ROW_MODES = ("raise", "skip")
 MAX_LISTED_BAD_ROWS = 10
-NO_PIXEL_LIMIT = 2**62
 
 
 class RowError(ValueError):
@@ -102,20 +107,15 @@ def collapse_image_tokens(input_ids: list[int], image_token_id: int, tokens_per_
     return out
 
 
-def _opt(config: Any, name: str, default: Any) -> Any:
-    value = getattr(config, name, default)
-    return default if value is None and default is not None else value
-
-
 class PromptEncoder:
     """Turns a data row into an :class:`EncodedPrompt` (see the module docstring).
 
     tokenizer: the model's tokenizer. processor: its multimodal processor, or None for a
     text-only model. model_config: the model's transformers config (for position ids and the
-    image token id). config: a DataConfig (duck-typed: the ``data.*`` field names).
+    image token id). config: the run's ``data`` section (paths already absolute).
     """
 
-    def __init__(self, config: Any, tokenizer: Any, processor: Any = None, model_config: Any = None):
+    def __init__(self, config: DataConfig, tokenizer: Any, processor: Any = None, model_config: Any = None):
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", processor)
         # AutoProcessor gives a bare tokenizer for a text-only model: that is "no processor" here.
@@ -125,21 +125,25 @@ class PromptEncoder:
         self.prompt_key = config.prompt_key
         self.answer_key = config.answer_key
         self.image_key = config.image_key
-        self.video_key = _opt(config, "video_key", "videos")
-        self.image_dir = _opt(config, "image_dir", None)
-        self.max_prompt_length = int(config.max_prompt_length)
-        self.format_prompt = _opt(config, "format_prompt", None)
-        self.system_prompt = _opt(config, "system_prompt", None)
-        self.truncation = _opt(config, "prompt_truncation", "error")
-        if self.truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.prompt_truncation={self.truncation!r}; choose one of {TRUNCATION_MODES}")
-        self.chat_template = resolve_chat_template(_opt(config, "override_chat_template", None))
+        self.video_key = config.video_key
+        self.image_dir = config.image_dir
+        self.max_prompt_length = config.max_prompt_length
+        self.format_prompt = config.format_prompt
+        self.system_prompt = config.system_prompt
+        self.truncation = config.prompt_truncation
+        self.chat_template = resolve_chat_template(config.override_chat_template)
         self.factor = image_factor(processor) if processor is not None else None
         if self.factor is not None:
-            # None = no limit: at least one factor x factor block, at most what fits in int64.
-            self.min_pixels = int(_opt(config, "min_pixels", None) or self.factor**2)
-            self.max_pixels = int(_opt(config, "max_pixels", None) or NO_PIXEL_LIMIT)
-            check_pixel_limits(self.min_pixels, self.max_pixels, self.factor)
+            # EasyR1's two stages: data.min/max_pixels (None = no limit), then the processor's own limits
+            self.min_pixels, self.max_pixels = config.min_pixels, config.max_pixels
+            self.processor_min_pixels, self.processor_max_pixels = processor_pixel_limits(processor)
+            check_pixel_limits(
+                self.min_pixels,
+                self.max_pixels,
+                self.factor,
+                processor_min_pixels=self.processor_min_pixels,
+                processor_max_pixels=self.processor_max_pixels,
+            )
             self.merge_size = int(processor.image_processor.merge_size)
             self.image_token_id = int(
                 getattr(model_config, "image_token_id", None) or getattr(processor, "image_token_id")
@@ -160,9 +164,19 @@ class PromptEncoder:
         images, sizes = [], []
         for k, value in enumerate(self.raw_images(row)):
             try:
-                image = load_image(value, self.image_dir if self.image_dir else base_dir)
+                # data.image_dir when set (as EasyR1), else the data file's directory, then the working directory
+                image = load_image(value, [self.image_dir] if self.image_dir else [base_dir, os.getcwd()])
                 sizes.append(image.size)
-                images.append(fit_image(image, self.min_pixels, self.max_pixels, self.factor))
+                images.append(
+                    fit_image(
+                        image,
+                        self.min_pixels,
+                        self.max_pixels,
+                        self.factor,
+                        processor_min_pixels=self.processor_min_pixels,
+                        processor_max_pixels=self.processor_max_pixels,
+                    )
+                )
             except ImageLoadError as err:
                 raise RowError(f"{self.image_key}[{k}]: {err}") from err
         return images, sizes
@@ -272,7 +286,7 @@ class RLDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         files: str | Sequence[str],
-        config: Any,
+        config: DataConfig,
         tokenizer: Any,
         processor: Any = None,
         model_config: Any = None,
@@ -283,9 +297,7 @@ class RLDataset(torch.utils.data.Dataset):
         self.config = config
         self.key = key
         self.name = name
-        on_bad_row = _opt(config, "on_bad_row", "raise")
-        if on_bad_row not in BAD_ROW_MODES:
-            raise ValueError(f"data.on_bad_row={on_bad_row!r}; choose one of {BAD_ROW_MODES}")
+        on_bad_row = config.on_bad_row
         self.sources: list[RowSource] = load_sources(files, key)
         self.pad_token_id = self.encoder.pad_token_id
         self.report = DatasetReport(key, total=sum(len(s) for s in self.sources))
@@ -304,7 +316,7 @@ class RLDataset(torch.utils.data.Dataset):
         source = self.sources[source_id]
         try:
             enc = self.encoder.encode(dict(source.rows[row_id]), source.base_dir)
-            if len(enc.input_ids) > self.encoder.max_prompt_length and getattr(self.config, "filter_overlong_prompts", False):
+            if len(enc.input_ids) > self.encoder.max_prompt_length and self.config.filter_overlong_prompts:
                 return "overlong", None
             self.encoder.apply_length_policy(enc)
         except RowError as err:
@@ -313,7 +325,7 @@ class RLDataset(torch.utils.data.Dataset):
 
     def _scan(self, on_bad_row: str) -> list[tuple[int, int, int]]:
         jobs = [(s, r) for s, source in enumerate(self.sources) for r in range(len(source))]
-        workers = int(_opt(self.config, "filter_overlong_prompts_workers", 1))
+        workers = self.config.filter_overlong_prompts_workers
         if workers > 1 and len(jobs) > 1:
             # Threads: image decoding, resizing and the processor's tensor ops release the GIL.
             with ThreadPoolExecutor(max_workers=workers) as pool:

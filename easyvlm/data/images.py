@@ -1,12 +1,24 @@
-"""Images: load them from what a data row holds, and fit them into [min_pixels, max_pixels].
+"""Images: load them from what a data row holds, and size them as EasyR1 does.
 
-:func:`fit_image` is the only place that resizes. Its output is a fixed point of Qwen-VL's
-``smart_resize`` with the same bounds: both sides are multiples of ``factor`` (= patch_size *
-merge_size) and the pixel count lies in [min_pixels, max_pixels]. So a processor or vLLM that runs
-``smart_resize`` again with the same bounds leaves the image alone, and the number of image tokens
-counted for the prompt, the pixels the rollout sees and the pixels the training forward sees are
-the same. easyvlm also calls the Hugging Face processor with ``do_resize=False`` on fitted images,
-and the rollout gives vLLM ``vllm_mm_processor_kwargs(min_pixels, max_pixels)``.
+EasyR1 sizes an image in two stages, and easyvlm gives the same final size (so the same row gets
+the same image tokens):
+
+1. ``data.min_pixels`` / ``data.max_pixels`` (EasyR1's ``verl/utils/dataset.py`` ``process_image``):
+   above max_pixels both sides are scaled by sqrt(max_pixels / pixels) and truncated with int();
+   then, below min_pixels, scaled up the same way. The sides are not multiples of anything yet.
+2. The model's image processor (the HF processor, and vLLM with the same limits) applies Qwen-VL's
+   ``smart_resize`` with the **processor's own** limits (its preprocessor config) and
+   factor = patch_size * merge_size.
+
+Departure: EasyR1 resamples twice (PIL's default, then the processor's); easyvlm resizes once,
+bicubic, from the original to the final size (:func:`fit_image`), which loses less. The final
+image must be a fixed point of ``smart_resize`` with the processor's limits, so the HF processor
+(called with ``do_resize=False``) and vLLM (built with :func:`vllm_mm_processor_kwargs`) leave it
+alone and the tokens counted for the prompt, the pixels the rollout sees and the pixels the
+training forward sees are the same. The rare image for which it is not (very thin ones) is
+refused with an :class:`ImageLoadError`.
+
+Relative paths (:func:`resolve_image_path`) are tried in the directories the caller gives, in order.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from PIL import Image
 
@@ -26,19 +38,25 @@ class ImageLoadError(ValueError):
     """An image in a data row that cannot be used; the message says which and why."""
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen-VL's target size: sides multiples of ``factor``, pixels in range, aspect ratio kept.
-
-    Same rule as transformers' ``qwen2_vl.image_processing_qwen2_vl.smart_resize`` and
-    qwen-vl-utils (tests compare them): round each side to the nearest multiple of ``factor``;
-    if that is above ``max_pixels`` scale down (floor), if below ``min_pixels`` scale up (ceil).
-    """
+def check_aspect_ratio(height: int, width: int) -> None:
+    """Raise ImageLoadError unless both sides are positive and longer / shorter <= 200 (Qwen-VL's limit)."""
     if min(height, width) <= 0:
         raise ImageLoadError(f"image has size {width}x{height}; both sides must be positive")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageLoadError(
             f"image of {width}x{height} has an aspect ratio above {MAX_ASPECT_RATIO}, which Qwen-VL models refuse"
         )
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL's target size: sides multiples of ``factor``, pixels in range, aspect ratio kept.
+
+    Same rule as transformers' ``qwen2_vl.image_processing_qwen2_vl.smart_resize`` (tests compare
+    them): round each side to the nearest multiple of ``factor``; if that is above ``max_pixels``
+    scale down (floor, at least ``factor``), if below ``min_pixels`` scale up (ceil). The result can
+    still lie outside the range (thin images), so it is not always a fixed point of itself.
+    """
+    check_aspect_ratio(height, width)
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -52,62 +70,160 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def fitted_size(height: int, width: int, min_pixels: int, max_pixels: int, factor: int) -> tuple[int, int]:
-    """(height, width) that :func:`fit_image` produces: ``smart_resize`` applied until it is a no-op.
+def prescale_size(height: int, width: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    """Stage 1, ``data.min_pixels`` / ``data.max_pixels``: the size EasyR1's ``process_image`` gives.
 
-    One pass is enough for ordinary images. For extreme aspect ratios or a tight range, one pass
-    can land outside [min_pixels, max_pixels] (the sides are floored/ceiled separately), and a
-    second ``smart_resize`` in the processor would then change the image again; iterating makes
-    the result a fixed point, which is what keeps tokens and pixels consistent downstream.
+    Above ``max_pixels``: each side times sqrt(max_pixels / pixels), truncated with int(); then,
+    below ``min_pixels``: each side times sqrt(min_pixels / pixels), truncated. Truncation can leave
+    the pixel count a little under ``min_pixels``, and a side can reach 0 (the caller refuses
+    that). None = no limit on that side. The float operations are EasyR1's, in its order, so the
+    truncated sides are bit-for-bit the same.
     """
-    h, w = height, width
-    for _ in range(32):  # thin images shrink by a factor > 1 per pass: a handful of passes
-        nh, nw = smart_resize(h, w, factor, min_pixels, max_pixels)
-        if (nh, nw) == (h, w):
-            return h, w
-        h, w = nh, nw
-    raise ImageLoadError(
-        f"cannot fit an image of {width}x{height} into [min_pixels={min_pixels}, max_pixels={max_pixels}] "
-        f"with sides that are multiples of {factor}; widen the pixel range (data.min_pixels / data.max_pixels)"
-    )
+    if max_pixels is not None and height * width > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    if min_pixels is not None and 0 < height * width < min_pixels:
+        scale = math.sqrt(min_pixels / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return height, width
 
 
-def check_pixel_limits(min_pixels: int, max_pixels: int, factor: int) -> None:
-    """Raise a ValueError naming the config keys if the limits cannot hold even one patch block."""
-    if min_pixels <= 0 or max_pixels < min_pixels:
-        raise ValueError(f"need 0 < data.min_pixels <= data.max_pixels, got {min_pixels} and {max_pixels}")
-    if max_pixels < factor * factor:
+def fitted_size(
+    height: int,
+    width: int,
+    min_pixels: int | None,
+    max_pixels: int | None,
+    factor: int,
+    *,
+    processor_min_pixels: int,
+    processor_max_pixels: int,
+) -> tuple[int, int]:
+    """(height, width) that EasyR1's two stages give an image of ``height`` x ``width``.
+
+    min_pixels / max_pixels: ``data.min_pixels`` / ``data.max_pixels`` (None = no limit).
+    factor: patch_size * merge_size. processor_min_pixels / processor_max_pixels: the image
+    processor's own limits (:func:`processor_pixel_limits`). The result can lie outside the data
+    limits (stage 2 rounds to multiples of ``factor``), as in EasyR1. Raises ImageLoadError if the
+    image cannot be used: aspect ratio above 200, a side shrunk to 0 by stage 1, or a result that
+    ``smart_resize`` with the processor's limits would resize again (then vLLM would change it).
+    """
+    check_aspect_ratio(height, width)
+    h1, w1 = prescale_size(height, width, min_pixels, max_pixels)
+    if min(h1, w1) < 1:
+        raise ImageLoadError(
+            f"data.max_pixels={max_pixels} shrinks this {width}x{height} image to {w1}x{h1}, a side of 0 pixels; "
+            f"raise data.max_pixels"
+        )
+    limits = f"[{processor_min_pixels}, {processor_max_pixels}]"
+    try:
+        h, w = smart_resize(h1, w1, factor, processor_min_pixels, processor_max_pixels)
+        again = smart_resize(h, w, factor, processor_min_pixels, processor_max_pixels)
+    except ImageLoadError as err:
+        raise ImageLoadError(
+            f"image of {width}x{height}, resized to {w1}x{h1} by data.min_pixels/data.max_pixels, then to multiples "
+            f"of {factor} with the processor's pixel limits {limits}: {err}; crop or pad the image"
+        ) from err
+    if again != (h, w):
+        # smart_resize keeps a side >= factor and rounds up to min_pixels, so a very thin image can
+        # land outside the processor's range; vLLM would then resize it again and its token count
+        # would differ from the one training uses.
+        raise ImageLoadError(
+            f"image of {width}x{height} cannot be sized consistently: data.min_pixels/data.max_pixels give "
+            f"{w1}x{h1}, the processor's limits {limits} give {w}x{h} ({h * w} pixels), which the processor and vLLM "
+            f"would resize again to {again[1]}x{again[0]}; crop or pad the image to a less extreme aspect ratio"
+        )
+    return h, w
+
+
+def check_pixel_limits(
+    min_pixels: int | None,
+    max_pixels: int | None,
+    factor: int,
+    *,
+    processor_min_pixels: int,
+    processor_max_pixels: int,
+) -> None:
+    """Raise a ValueError naming the setting if the limits cannot size images.
+
+    The data limits (None = no limit) only need to be positive and ordered. The processor's must
+    admit one factor x factor block, or ``smart_resize`` output (a side is at least ``factor``)
+    would never be a fixed point and every image would be refused.
+    """
+    for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{key}={value} must be positive, or null for no limit")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ValueError(f"data.min_pixels={min_pixels} must be <= data.max_pixels={max_pixels}")
+    if not 0 < processor_min_pixels <= processor_max_pixels or processor_max_pixels < factor * factor:
         raise ValueError(
-            f"data.max_pixels={max_pixels} is below one {factor}x{factor} block ({factor * factor} pixels), "
-            f"the smallest image this model accepts; raise data.max_pixels"
+            f"the image processor's pixel limits [{processor_min_pixels}, {processor_max_pixels}] (size.shortest_edge, "
+            f"size.longest_edge in the model's preprocessor config) must satisfy 0 < min <= max and max >= one "
+            f"{factor}x{factor} block ({factor * factor} pixels); fix the model's preprocessor config"
         )
 
 
-def fit_image(image: Image.Image, min_pixels: int, max_pixels: int, factor: int) -> Image.Image:
-    """An RGB copy of ``image`` resized into [min_pixels, max_pixels] (sides multiples of ``factor``).
+def fit_image(
+    image: Image.Image,
+    min_pixels: int | None,
+    max_pixels: int | None,
+    factor: int,
+    *,
+    processor_min_pixels: int,
+    processor_max_pixels: int,
+) -> Image.Image:
+    """An RGB copy of ``image`` at :func:`fitted_size` (EasyR1's two stages), resized once, bicubic.
 
-    The aspect ratio is kept as closely as multiples of ``factor`` allow; bicubic resampling as in
-    the Qwen-VL image processor. Returns the same object if it is already RGB and fitted.
+    Arguments as in :func:`fitted_size`. Bicubic as the Qwen-VL image processor resamples.
+    Returns the same object if it is already RGB and at its fitted size.
     """
     if image.mode != "RGB":
         image = image.convert("RGB")
-    h, w = fitted_size(image.height, image.width, min_pixels, max_pixels, factor)
+    h, w = fitted_size(
+        image.height,
+        image.width,
+        min_pixels,
+        max_pixels,
+        factor,
+        processor_min_pixels=processor_min_pixels,
+        processor_max_pixels=processor_max_pixels,
+    )
     if (h, w) != (image.height, image.width):
         image = image.resize((w, h), resample=Image.Resampling.BICUBIC)
     return image
 
 
-def resolve_image_path(path: str, base_dir: str | os.PathLike | None) -> Path:
-    """``path`` as is when absolute, else relative to ``base_dir`` (image_dir or the data file's dir)."""
-    p = Path(os.path.expanduser(path))
-    if not p.is_absolute() and base_dir is not None:
-        p = Path(base_dir) / p
-    return p
+def resolve_image_path(path: str | os.PathLike, search_dirs: Sequence[str | os.PathLike | None]) -> Path:
+    """The existing file ``path`` names: itself if absolute, else the first ``search_dirs[i] / path``.
+
+    search_dirs: directories tried in order for a relative path; None entries are skipped (a hub
+    data set has no file directory); none at all = the working directory only. easyvlm passes
+    ``[data.image_dir]`` when it is set, else the data file's directory and then the working
+    directory (EasyR1 joins data.image_dir, or opens the path from the working directory).
+    Raises ImageLoadError naming the path as given and every place tried.
+    """
+    if isinstance(search_dirs, (str, bytes, os.PathLike)) or search_dirs is None:
+        raise TypeError(f"search_dirs must be a list of directories, got {search_dirs!r}; wrap one directory in [...]")
+    given = Path(os.path.expanduser(os.fspath(path)))
+    if given.is_absolute():
+        if given.is_file():
+            return given
+        raise ImageLoadError(f"image file {os.fspath(path)!r} does not exist")
+    dirs = list(dict.fromkeys(Path(d) for d in search_dirs if d is not None)) or [Path.cwd()]  # order kept
+    for directory in dirs:
+        if (directory / given).is_file():
+            return directory / given
+    tried = ", ".join(repr(str(d)) for d in dirs)
+    raise ImageLoadError(
+        f"image file {os.fspath(path)!r} does not exist in any of the directories tried: {tried}. "
+        f"Relative paths resolve against data.image_dir if it is set, else the data file's directory, "
+        f"then the working directory"
+    )
 
 
-def load_image(value: Any, base_dir: str | os.PathLike | None = None) -> Image.Image:
+def load_image(value: Any, search_dirs: Sequence[str | os.PathLike | None] = ()) -> Image.Image:
     """A PIL image (fully decoded) from a path, bytes, ``{"bytes": ...}``, ``{"path": ...}`` or PIL.
 
+    search_dirs: where relative paths are looked for, in order (:func:`resolve_image_path`).
     Raises ImageLoadError saying what was given and why it failed.
     """
     if isinstance(value, Image.Image):
@@ -128,9 +244,7 @@ def load_image(value: Any, base_dir: str | os.PathLike | None = None) -> Image.I
         except Exception as err:
             raise ImageLoadError(f"image bytes ({len(value)} bytes) cannot be decoded: {err}") from err
     if isinstance(value, (str, os.PathLike)):
-        path = resolve_image_path(str(value), base_dir)
-        if not path.is_file():
-            raise ImageLoadError(f"image file {str(path)!r} does not exist (given as {str(value)!r})")
+        path = resolve_image_path(value, search_dirs)
         try:
             image = Image.open(path)
             image.load()  # decode now, so a truncated file fails here (and PIL closes the file)
@@ -148,20 +262,72 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def image_factor(processor: Any) -> int:
-    """patch_size * merge_size of the processor's image processor (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+def _image_processor(processor: Any) -> Any:
+    """The image processor of a multimodal processor, ``processor`` itself if it is one, else None."""
     image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None and hasattr(processor, "patch_size"):
+        image_processor = processor
+    return image_processor
+
+
+def _require_image_processor(processor: Any) -> Any:
+    image_processor = _image_processor(processor)
     if image_processor is None:
         raise ValueError(f"{type(processor).__name__} has no image_processor; this model cannot take images")
+    return image_processor
+
+
+def image_factor(processor: Any) -> int:
+    """patch_size * merge_size of the processor's image processor (28 for Qwen2/2.5-VL, 32 for Qwen3-VL)."""
+    image_processor = _require_image_processor(processor)
     return int(image_processor.patch_size) * int(image_processor.merge_size)
 
 
-def vllm_mm_processor_kwargs(min_pixels: int, max_pixels: int) -> dict[str, dict[str, int]]:
-    """``mm_processor_kwargs`` that make vLLM's Qwen-VL processor leave fitted images unchanged.
+def processor_pixel_limits(processor: Any) -> tuple[int, int]:
+    """(min_pixels, max_pixels) the model's image processor resizes to (its preprocessor config).
 
-    vLLM resizes with the model's processor limits unless told otherwise; with the data config's
-    limits, images from :func:`fit_image` are a fixed point and keep their token counts. The limits
-    go in transformers 5's form, ``size={"shortest_edge": min_pixels, "longest_edge": max_pixels}``
-    (pixel counts, despite the names); ``min_pixels=`` / ``max_pixels=`` are deprecated.
+    processor: a multimodal processor or its image processor. transformers 5 keeps them as
+    ``size = {"shortest_edge": min, "longest_edge": max}`` (pixel counts, despite the names; a
+    ``SizeDict``); older 4.x versions as ``size = {"min_pixels": ..., "max_pixels": ...}`` or as
+    ``min_pixels`` / ``max_pixels`` attributes. The first form found wins, in that order (``size``
+    first, as vLLM reads ``image_processor.size`` for its defaults).
     """
-    return {"size": {"shortest_edge": int(min_pixels), "longest_edge": int(max_pixels)}}
+    image_processor = _require_image_processor(processor)
+    size = getattr(image_processor, "size", None)
+    forms = [
+        (_field(size, "shortest_edge"), _field(size, "longest_edge")),
+        (_field(size, "min_pixels"), _field(size, "max_pixels")),
+        (getattr(image_processor, "min_pixels", None), getattr(image_processor, "max_pixels", None)),
+    ]
+    for low, high in forms:
+        if low is not None and high is not None:
+            return int(low), int(high)
+    raise ValueError(
+        f"cannot read the pixel limits of {type(image_processor).__name__}: its size is {size!r} and it has no "
+        f"min_pixels/max_pixels; set size={{'shortest_edge': ..., 'longest_edge': ...}} in the model's "
+        f"preprocessor config"
+    )
+
+
+def _field(size: Any, key: str) -> Any:
+    """``size[key]`` for a dict, ``size.key`` for transformers' SizeDict, None if absent."""
+    if isinstance(size, dict):
+        return size.get(key)
+    return getattr(size, key, None)
+
+
+def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, int]]:
+    """``mm_processor_kwargs`` that make vLLM resize images with the processor's own limits.
+
+    processor: the multimodal processor the data pipeline uses (the one :func:`processor_pixel_limits`
+    reads); ``{}`` for a text-only model (a tokenizer, or None). vLLM runs ``smart_resize`` on every
+    image (EasyR1's stage 2); with the processor's limits, images from :func:`fit_image` are a fixed
+    point and keep their token counts. The limits go in transformers 5's form, ``size={"shortest_edge": min_pixels,
+    "longest_edge": max_pixels}`` (pixel counts, despite the names); ``min_pixels=`` /
+    ``max_pixels=`` are deprecated. vLLM would read the same limits from the model's preprocessor
+    config; passing them keeps both sides on one processor even if vLLM loads another directory.
+    """
+    if _image_processor(processor) is None:
+        return {}
+    min_pixels, max_pixels = processor_pixel_limits(processor)
+    return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}

@@ -8,7 +8,7 @@ What ``data.train_files`` / ``data.val_files`` accept (one string, or a list of 
     path/to/dir@test                 only files named ``test*`` or inside a folder named ``test``
     org/name@split                   a Hugging Face dataset (``datasets.load_dataset``), split
                                      ``train`` by default; the local cache first, then the network
-    builtin:synthetic@train          the embedded synthetic task (``easyvlm.data.synthetic``)
+    builtin:synthetic@train          the embedded synthetic task (``easyvlm.builtin.synthetic``)
 
 A ``@split`` after a single local file is ignored: the file is the split. Rows are read lazily
 where the format allows (Parquet, Arrow, Hugging Face), so big data sets are not copied into
@@ -89,7 +89,7 @@ def load_sources(spec: str | Sequence[str], key: str = "data.train_files") -> li
 
 def _load_one(spec: str, key: str) -> list[RowSource]:
     if spec.startswith(BUILTIN_PREFIX):
-        from easyvlm.data import synthetic
+        from easyvlm.builtin import synthetic
 
         try:
             return [read_file(Path(synthetic.resolve_builtin_dataset(spec)))]
@@ -228,11 +228,6 @@ def _load_hub_dataset(name: str, split: str, key: str) -> RowSource:
             f"{key}=path/to/train.parquet"
         ) from err
     return RowSource(label, dataset, None)
-
-
-def total_rows(sources: Sequence[RowSource]) -> int:
-    return sum(len(s) for s in sources)
-
 
 def describe(sources: Sequence[RowSource]) -> str:
     """A short human-readable list of the sources, for messages."""

@@ -5,6 +5,9 @@ The driver holds no model. It talks to a role (actor+rollout+ref, critic) throug
 - ``call_all(method, ...)``: the same call on every rank (init, save, load, ...), results by rank;
 - ``dispatch(method, batch)``: pad the batch to a multiple of the world size, give rank r its r-th
   chunk, concatenate the returned Batches in rank order and drop the padding (data parallelism).
+  With ``replicas=S`` (Ulysses sequence parallelism: groups of S consecutive ranks share their
+  samples) the batch is cut into world / S chunks, every rank of group g gets chunk g, and the first
+  rank of each group answers for it.
 
 Placement: a Ray placement group with one bundle per device (``{"GPU": 1, "CPU": c}`` on GPUs,
 ``{"CPU": c}`` on the CPU), packed onto ``nnodes`` nodes. The same code runs on one laptop CPU and on
@@ -124,17 +127,23 @@ class WorkerGroup:
     def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         return [w.call.remote(method, *args, **kwargs) for w in self.workers]
 
-    def dispatch(self, method: str, batch: Batch, **kwargs: Any) -> Batch:
-        """Data-parallel call: each rank gets an equal chunk; results are concatenated in order."""
-        padded, pad = batch.pad_to_divisor(self.world_size)
-        chunks = padded.chunk(self.world_size)
-        results = ray.get([w.call.remote(method, chunk, **kwargs) for w, chunk in zip(self.workers, chunks)])
-        return Batch.concat(results).unpad(pad)
+    def dispatch(self, method: str, batch: Batch, replicas: int = 1, **kwargs: Any) -> Batch:
+        """Data-parallel call: each rank (group of ``replicas`` ranks) gets an equal chunk; results
+        are concatenated in order."""
+        results, pad = self._scatter(method, batch, replicas, kwargs)
+        return Batch.concat(results[::replicas]).unpad(pad)
 
-    def dispatch_collect(self, method: str, batch: Batch, **kwargs: Any) -> list[Any]:
+    def dispatch_collect(self, method: str, batch: Batch, replicas: int = 1, **kwargs: Any) -> list[Any]:
         """Like dispatch, for methods that return something other than a Batch (metrics): by rank."""
-        padded, _ = batch.pad_to_divisor(self.world_size)
-        return ray.get([w.call.remote(method, chunk, **kwargs) for w, chunk in zip(self.workers, padded.chunk(self.world_size))])
+        return self._scatter(method, batch, replicas, kwargs)[0]
+
+    def _scatter(self, method: str, batch: Batch, replicas: int, kwargs: dict) -> tuple[list[Any], int]:
+        assert self.world_size % replicas == 0, (self.world_size, replicas)
+        groups = self.world_size // replicas
+        padded, pad = batch.pad_to_divisor(groups)
+        chunks = padded.chunk(groups)
+        calls = [w.call.remote(method, chunks[rank // replicas], **kwargs) for rank, w in enumerate(self.workers)]
+        return ray.get(calls), pad
 
     def shutdown(self) -> None:
         """Kill this group's ranks; remove the placement group if this group made it (shut down

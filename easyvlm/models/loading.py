@@ -1,4 +1,9 @@
-"""Load the policy / reference / critic models, tokenizer and processor from a ``ModelConfig``.
+"""Load the policy / reference / critic models from a ``ModelSpec``; tokenizer and processor.
+
+The worker side reads only its ``ModelSpec`` (easyvlm/plan/specs.py): the directory is local and
+the transformers config already carries ``model.override_config``. The driver side resolves paths
+and builds the config (:func:`load_hf_config`, :func:`apply_config_overrides`) and loads the
+tokenizer and processor once (:func:`load_tokenizer_and_processor`).
 
 Families: Qwen2-VL and Qwen2.5-VL (``AutoModelForImageTextToText``) and text-only causal LMs
 (Qwen2, Qwen2.5, Qwen3, Llama-style: ``AutoModelForCausalLM``). The critic is
@@ -12,6 +17,7 @@ checkpoint, and every supported family is implemented in transformers itself.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +27,7 @@ from torch import nn
 
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
+from easyvlm.plan.specs import LoraSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +42,6 @@ class LoadedModel:
     model: nn.Module
     hf_config: Any
     is_vision_language: bool
-
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    return getattr(cfg, name, default)
-
-
-def resolve_paths(model_config: Any) -> tuple[str, str]:
-    """(model_dir, tokenizer_dir) after ``resolve_model_path`` (``builtin:``, local dir, hub id)."""
-    from easyvlm.models.builtin import resolve_model_path
-
-    model_path = _field(model_config, "model_path")
-    if not model_path:
-        raise ValueError(
-            "worker.actor.model.model_path is empty: give a local directory, 'org/name' or 'builtin:<name>'"
-        )
-    model_dir = resolve_model_path(model_path)
-    tokenizer_path = _field(model_config, "tokenizer_path") or model_path
-    tokenizer_dir = model_dir if tokenizer_path == model_path else resolve_model_path(tokenizer_path)
-    return model_dir, tokenizer_dir
 
 
 def load_hf_config(model_dir: str, override_config: dict | None = None, trust_remote_code: bool = False) -> Any:
@@ -113,19 +101,25 @@ def attn_implementation_for(hf_config: Any, requested: str, padding_free: bool) 
 
 
 def load_model(
-    model_config: Any,
+    spec: ModelSpec,
     *,
     role: ModelRole = "policy",
     dtype: torch.dtype = torch.float32,
     padding_free: bool = False,
     trainable: bool = True,
+    on_meta: bool = False,
 ) -> LoadedModel:
-    """Load a model on the CPU from ``model_config`` (easyvlm ``ModelConfig``).
+    """Build the model of ``spec`` on the CPU (or, with ``on_meta``, on the meta device).
 
-    Applies, in order: override_config, attn_implementation (+ varlen attention when
-    ``padding_free``), dtype, LoRA (``lora.rank > 0``, policy only), freeze_vision_tower,
-    gradient checkpointing (only when ``trainable``). A frozen reference model passes
-    ``trainable=False``: all parameters get ``requires_grad=False``.
+    Applies, in order: attn_implementation (+ varlen attention for the text decoder when
+    ``padding_free``), dtype, LoRA (``spec.lora``, policy only), freeze_vision_tower, gradient
+    checkpointing (only when ``trainable``). A frozen reference model passes ``trainable=False``:
+    all parameters get ``requires_grad=False``.
+
+    ``on_meta``: the same modules, parameters and buffers, on the meta device, built from
+    ``spec.hf_config`` without reading ``spec.model_dir`` (FSDP rank-0 init: the other ranks
+    receive rank 0's weights in ``apply_fsdp``). New weights (LoRA, the value head) are random
+    on rank 0 and broadcast from it.
     """
     from transformers import (
         AutoModel,
@@ -135,62 +129,60 @@ def load_model(
     )
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
-    model_dir, _ = resolve_paths(model_config)
-    trust_remote_code = bool(_field(model_config, "trust_remote_code", False))
-    hf_config = load_hf_config(model_dir, _field(model_config, "override_config"), trust_remote_code)
+    hf_config = copy.deepcopy(spec.hf_config)  # the spec's config stays as the driver made it
     vision_language = is_vision_language_config(hf_config)
-    if vision_language and hf_config.model_type not in MROPE_MODEL_TYPES:
-        raise NotImplementedError(
-            f"{model_dir}: vision-language model_type {hf_config.model_type!r} is not supported; "
-            f"supported: {sorted(MROPE_MODEL_TYPES)} and text-only causal LMs"
-        )
-    requested = available_attn_implementation(_field(model_config, "attn_implementation") or "sdpa")
+    # the config check (validate.model_problems) refused other families before anything started
+    assert not vision_language or hf_config.model_type in MROPE_MODEL_TYPES, hf_config.model_type
+    if role not in ("policy", "critic"):
+        raise ValueError(f"load_model: role must be 'policy' or 'critic', got {role!r}")
+    assert spec.lora is None or role == "policy", "validate() refuses LoRA on the critic"
+    requested = available_attn_implementation(spec.attn_implementation)
     kwargs = dict(
-        config=hf_config,
         dtype=dtype,
         attn_implementation=attn_implementation_for(hf_config, requested, padding_free),
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=spec.trust_remote_code,
     )
 
-    if role == "policy":
-        auto_cls = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-        model = auto_cls.from_pretrained(model_dir, **kwargs)
-    elif role == "critic":
-        if hf_config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
-            hf_config.num_labels = 1
-            model = AutoModelForTokenClassification.from_pretrained(model_dir, **kwargs)
-        else:
-            backbone = AutoModel.from_pretrained(model_dir, **kwargs)
-            model = ValueHeadModel(backbone, _text_hidden_size(hf_config), _field(hf_config, "initializer_range", 0.02))
-            model.to(dtype)
-    else:
-        raise ValueError(f"load_model: role must be 'policy' or 'critic', got {role!r}")
+    def build(auto_cls: Any) -> nn.Module:
+        if on_meta:
+            with torch.device("meta"):
+                return auto_cls.from_config(hf_config, **kwargs)
+        return auto_cls.from_pretrained(spec.model_dir, config=hf_config, **kwargs)
 
-    lora = _field(model_config, "lora")
-    if lora is not None and _field(lora, "rank", 0) > 0:
-        if role != "policy":
-            raise ValueError("model.lora.rank > 0 is supported for the actor only; set critic.model.lora.rank=0")
-        model = apply_lora(model, lora)
+    if role == "policy":
+        model = build(AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
+    elif hf_config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        hf_config.num_labels = 1
+        model = build(AutoModelForTokenClassification)
+    else:
+        backbone = build(AutoModel)
+        with torch.device("meta" if on_meta else "cpu"):
+            text = _text_config(hf_config)
+            model = ValueHeadModel(backbone, text.hidden_size, text.initializer_range)
+        model.to(dtype)
+
+    if spec.lora is not None:
+        model = apply_lora(model, spec.lora)
 
     if not trainable:
         model.requires_grad_(False)
-    elif _field(model_config, "freeze_vision_tower", False):
+    elif spec.freeze_vision_tower:
         tower = get_vision_tower(model)
         if tower is None:
             logger.warning("model.freeze_vision_tower=True but %s has no vision tower; ignored", type(model).__name__)
         else:
             tower.requires_grad_(False)
 
-    if trainable and _field(model_config, "enable_gradient_checkpointing", True):
+    if trainable and spec.gradient_checkpointing:
         target = model.backbone if isinstance(model, ValueHeadModel) else model
         # non-reentrant: works with frozen inputs (no enable_input_require_grads hack) and FSDP2
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return LoadedModel(model=model, hf_config=hf_config, is_vision_language=vision_language)
 
 
-def _text_hidden_size(hf_config: Any) -> int:
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    return text.hidden_size
+def _text_config(hf_config: Any) -> Any:
+    """The language model's config (``text_config`` of a vision-language config, else itself)."""
+    return hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
 
 
 def get_vision_tower(model: nn.Module) -> nn.Module | None:
@@ -204,27 +196,31 @@ def get_vision_tower(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def apply_lora(model: nn.Module, lora_config: Any) -> nn.Module:
-    """Wrap ``model`` with PEFT LoRA adapters (``model.lora``: rank, alpha, target_modules, exclude_modules)."""
+def apply_lora(model: nn.Module, lora: LoraSpec) -> nn.Module:
+    """Wrap ``model`` with PEFT LoRA adapters of rank ``lora.rank``, scale ``lora.alpha / lora.rank``.
+
+    ``lora.target_modules``: ``"all-linear"`` (every linear layer but the output head), a regular
+    expression that must match a module's full name, or a tuple of names, each matching a module
+    whose name ends with it (EasyR1's ``q_proj,k_proj,...``). ``exclude_modules``: a regular
+    expression of full names left without adapters.
+    """
     from peft import LoraConfig, get_peft_model
 
-    target = _field(lora_config, "target_modules", "all-linear")
+    target = lora.target_modules
     peft_config = LoraConfig(
-        r=int(lora_config.rank),
-        lora_alpha=int(_field(lora_config, "alpha", 64)),
+        r=lora.rank,
+        lora_alpha=lora.alpha,
         target_modules=target if isinstance(target, str) else list(target),
-        exclude_modules=_field(lora_config, "exclude_modules"),
+        exclude_modules=lora.exclude_modules,
         bias="none",
     )
     return get_peft_model(model, peft_config)
 
 
-def load_tokenizer_and_processor(model_config: Any) -> tuple[Any, Any | None]:
-    """(tokenizer, processor or None) from ``tokenizer_path`` (defaults to ``model_path``)."""
+def load_tokenizer_and_processor(tokenizer_dir: str, trust_remote_code: bool) -> tuple[Any, Any | None]:
+    """(tokenizer, processor or None) of the local directory ``tokenizer_dir``."""
     from transformers import AutoProcessor, AutoTokenizer
 
-    _, tokenizer_dir = resolve_paths(model_config)
-    trust_remote_code = bool(_field(model_config, "trust_remote_code", False))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
     try:
         processor = AutoProcessor.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)

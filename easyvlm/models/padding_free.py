@@ -29,6 +29,10 @@ causally to itself. The result is exactly the unshared forward (same attention i
 response token) at a fraction of the cost when prompts are long against responses; the gradient
 through the shared prompt is the sum over its responses, as in the unshared pass.
 
+Ulysses sequence parallelism (``easyvlm.models.ulysses``): each rank of a group holds a slice of
+the packed row; the attention function receives the group and the segments of the whole row as
+the keyword ``easyvlm_ulysses`` and wraps the same packed attention in two all-to-alls.
+
 The image features do not care about packing: the vision tower sees the same ``pixel_values`` and
 ``image_grid_thw`` (concatenated in sample order), and its outputs fill the image-pad tokens of
 the packed row in the same order as in the padded batch.
@@ -36,11 +40,14 @@ the packed row in the same order as in the padded batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from easyvlm.models.ulysses import UlyssesAttention, heads_to_sequence, sequence_to_heads
 
 VARLEN_ATTENTION = "easyvlm_varlen"
 
@@ -93,6 +100,7 @@ def varlen_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     position_ids: Tensor | None = None,
+    easyvlm_ulysses: UlyssesAttention | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Attention for ``VARLEN_ATTENTION``. query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D).
@@ -100,30 +108,50 @@ def varlen_attention_forward(
     Packed input (no mask, one row, text position ids given): causal attention within each
     sequence. Anything else (a padded batch with its mask, the vision tower's non-causal blocks)
     goes to transformers' SDPA function unchanged.
+
+    Ulysses sequence parallelism (``easyvlm_ulysses`` given, see ``easyvlm.models.ulysses``): q, k,
+    v hold this rank's n tokens of the padded row; an all-to-all gives it all tokens of its H / S
+    heads, the packed attention runs on the segments of the whole row, and a second all-to-all
+    returns (1, n, H, D).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     packed = attention_mask is None and position_ids is not None and query.shape[0] == 1
-    if not packed or not getattr(module, "is_causal", True):
+    causal = getattr(module, "is_causal", True)
+    if easyvlm_ulysses is not None:
+        if not (packed and causal):
+            raise ValueError("Ulysses sequence parallelism runs the packed (padding-free) causal decoder only")
+        sp = easyvlm_ulysses.sp
+        q, k, v = (sequence_to_heads(t, sp) for t in (query, key, value))
+        out = _packed_attention(q, k, v, easyvlm_ulysses.segments, dropout, scaling)  # (1, N_pad, H / S, D)
+        return heads_to_sequence(out, sp), None
+    if not packed or not causal:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    positions = position_ids.reshape(-1).tolist()  # host sync: fine on the CPU (see below for GPUs)
-    segments = packed_segments(positions)
+    segments = packed_segments(position_ids)  # a host sync of the segment starts, once per layer
+    return _packed_attention(query, key, value, segments, dropout, scaling), None
+
+
+def _packed_attention(
+    query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], dropout: float, scaling: float | None
+) -> Tensor:
+    """Causal attention within the segments of a packed row. query (1, H, N, D), key/value
+    (1, Hkv, N, D) -> (1, N, H, D)."""
     if any(segment.prefix for segment in segments):
         # Shared prompts. note: SDPA per trunk and per run of equal-length branches, on GPUs too
         # (flash-attn's varlen kernel would need the trunk's keys copied into every branch).
-        return _shared_prefix_attention(query, key, value, segments, dropout, scaling), None
-    cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-    if query.is_cuda and _flash_attn_available():
-        return _flash_varlen(query, key, value, cu_seqlens, dropout, scaling), None
+        return _shared_prefix_attention(query, key, value, segments, dropout, scaling)
     lengths = [segment.length for segment in segments]
+    if query.is_cuda and _flash_attn_available():
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device)
+        return _flash_varlen(query, key, value, cu_seqlens, dropout, scaling)
     gqa = query.shape[1] != key.shape[1]
     outputs = [
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
         for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
     ]
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)
@@ -138,31 +166,34 @@ class Segment:
     trunk_start: int = 0
 
 
-def packed_segments(positions: list[int]) -> list[Segment]:
-    """Trunks and branches of a packed row from its text positions.
+def packed_segments(positions: Tensor | list[int]) -> list[Segment]:
+    """Trunks and branches of a packed row from its text positions ((N,) or (1, N)).
 
     A segment starts wherever the position is not its predecessor's + 1. [0 1 2 3 | 2 3 | 0 1] ->
     trunk (0, 4), branch (4, 2) on the first 2 tokens of trunk 0, trunk (6, 2). A branch whose
-    prefix is longer than its trunk is an error (its prompt is not in the row).
+    prefix is longer than its trunk is an error (its prompt is not in the row). The boundaries are
+    found on the positions' device; only the S segment starts reach the host (one sync per call).
     """
+    flat = torch.as_tensor(positions).reshape(-1)
+    N = flat.numel()
+    breaks = torch.ones(N, dtype=torch.bool, device=flat.device)
+    breaks[1:] = flat[1:] != flat[:-1] + 1
+    starts_t = torch.nonzero(breaks).reshape(-1)
+    bounds = torch.stack([starts_t, flat[starts_t]]).tolist()  # [starts, first positions]
+    starts, firsts = bounds[0], bounds[1]
     segments: list[Segment] = []
     trunk: Segment | None = None
-    start = 0
-    for i in range(1, len(positions) + 1):
-        if i < len(positions) and positions[i] == positions[i - 1] + 1:
-            continue
-        first = positions[start]
+    for start, end, first in zip(starts, [*starts[1:], N], firsts):
         if first == 0:
-            trunk = Segment(start, i - start)
+            trunk = Segment(start, end - start)
             segments.append(trunk)
         elif trunk is None or first > trunk.length:
             raise ValueError(
-                f"packed row: tokens {start}..{i - 1} start at position {first} but the preceding sequence "
+                f"packed row: tokens {start}..{end - 1} start at position {first} but the preceding sequence "
                 f"has {0 if trunk is None else trunk.length} tokens; a shared-prompt response must follow its prompt"
             )
         else:
-            segments.append(Segment(start, i - start, first, trunk.start))
-        start = i
+            segments.append(Segment(start, end - start, first, trunk.start))
     return segments
 
 

@@ -4,7 +4,7 @@ that turns a rollout Batch into RewardInputs.
 The trainer starts a computation and collects it later, so that scoring overlaps the log-prob
 passes::
 
-    actor = create_reward_actor(config.worker.reward)            # once, in the driver
+    actor = create_reward_actor(plan.reward, num_cpus)             # once, in the driver
     ref = actor.compute.remote(build_reward_inputs(batch, tokenizer))
     ...                                                          # old / ref log-probs meanwhile
     result = ray.get(ref)                                        # RewardResult; raises RewardError
@@ -17,7 +17,6 @@ from typing import Any
 import ray
 
 from easyvlm.data.batch import Batch
-from easyvlm.rewards.loader import load_reward_function
 from easyvlm.rewards.manager import RewardManager, RewardSettings
 from easyvlm.rewards.types import RewardInput, RewardResult
 
@@ -35,17 +34,10 @@ class RewardActor:
         self.manager.close()
 
 
-def create_reward_actor(reward_config: Any, name: str | None = None) -> "ray.actor.ActorHandle":
-    """Start a RewardActor for ``PPOConfig.worker.reward`` (Ray must be initialised).
-
-    Paths are resolved against the driver's working directory, and every reward file is loaded and
-    its signature checked here first, so a bad spec fails in the driver with a plain RewardError
-    rather than inside the actor.
-    """
-    settings = RewardSettings.from_config(reward_config)
-    for spec in settings.functions:
-        load_reward_function(spec)
-    options: dict[str, Any] = {"num_cpus": reward_config.num_cpus, "num_gpus": 0}
+def create_reward_actor(settings: RewardSettings, num_cpus: int, name: str | None = None) -> "ray.actor.ActorHandle":
+    """Start a RewardActor for the run plan's reward settings (Ray must be initialised); it reserves
+    ``num_cpus`` (``worker.reward.num_cpus``). The driver has loaded every reward file before."""
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 0}
     if name is not None:
         options["name"] = name
     return ray.remote(RewardActor).options(**options).remote(settings)

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from easyvlm.config.schema import RewardConfig
 from easyvlm.rewards.loader import LoadedReward, RewardFunctionSpec, load_reward_function
 from easyvlm.rewards.process import ServingProcess, StartError
 from easyvlm.rewards.types import RewardError, RewardInput, RewardResult
@@ -57,18 +58,15 @@ class RewardSettings:
     num_workers: int = 1
 
     def __post_init__(self) -> None:
-        if not self.functions:
-            raise ValueError("no reward function: set worker.reward.reward_function=path/to/file.py:func")
+        # the config check (easyvlm.config.validate) judged these values; here they are asserted
+        assert self.functions, "no reward function"
+        assert self.on_error in ON_ERROR, self.on_error
+        assert self.timeout is None or self.timeout > 0, self.timeout
+        assert self.num_workers >= 1, self.num_workers
         object.__setattr__(self, "functions", tuple(s.resolved() for s in self.functions))
-        if self.on_error not in ON_ERROR:
-            raise ValueError(f"worker.reward.on_error is {self.on_error!r}; use one of {list(ON_ERROR)}")
-        if self.timeout is not None and not self.timeout > 0:
-            raise ValueError(f"worker.reward.timeout must be positive seconds (null: no limit), got {self.timeout}")
-        if self.num_workers < 1:
-            raise ValueError(f"worker.reward.num_workers must be at least 1, got {self.num_workers}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "RewardSettings":
+    def from_config(cls, cfg: RewardConfig) -> "RewardSettings":
         """From ``PPOConfig.worker.reward`` (a RewardConfig). Relative paths are resolved against the
         current working directory here, in the driver, before the settings travel to Ray."""
         if cfg.reward_functions:
@@ -77,7 +75,7 @@ class RewardSettings:
                     f.reward_function,
                     dict(f.reward_function_kwargs),
                     float(f.weight),
-                    getattr(f, "reward_type", None) or cfg.reward_type,
+                    cfg.reward_type,
                 )
                 for f in cfg.reward_functions
             ]
@@ -108,10 +106,6 @@ class RewardManager:
         self.names = _unique([r.name for r in self.rewards])
         self._workers: list[ServingProcess] = []  # started at the first call
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "RewardManager":
-        return cls(RewardSettings.from_config(cfg))
 
     # ------------------------------------------------------------------ scoring
     def compute(self, inputs: Sequence[RewardInput]) -> RewardResult:

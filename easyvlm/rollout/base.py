@@ -1,12 +1,12 @@
-"""The rollout interface: ``RolloutEngine.generate(prompt_batch, **overrides) -> Batch``.
+"""The rollout interface: ``RolloutEngine.generate(prompt_batch, sampling=None) -> Batch``.
 
 Engines (``vllm.py``, ``hf.py``) only sample token ids; this base class checks the input, repeats
 each prompt n times and builds the output Batch (``postprocess.py``), so every engine returns
 exactly the same keys, shapes and order.
 
-Sampling comes from the config (``worker.rollout``: n, temperature, top_p, top_k, ignore_eos;
-``data.max_response_length``) and can be overridden per call, e.g. greedy validation with
-``generate(batch, n=1, temperature=0)`` (``worker.rollout.val_override_config``).
+Sampling comes from the run plan (``worker.rollout``: n, temperature, top_p, top_k, ignore_eos;
+``data.max_response_length``); a call may pass other settings, e.g. the plan's validation sampling
+(``worker.rollout.val_override_config`` applied) or ReMax's greedy baseline.
 
 Seeded sampling: a prompt Batch may carry an int per prompt under ``SEED_KEY`` (the trainer derives
 them from ``worker.rollout.seed``, the step and the prompt's place in it: :func:`prompt_seeds`).
@@ -52,65 +52,44 @@ def request_seed(prompt_seed: int, sample_index: int) -> int:
 
 
 @dataclass(frozen=True)
-class SamplingOverrides:
-    """Per-call changes to the configured sampling; None = keep the configured value."""
-
-    n: int | None = None
-    """Samples per prompt (G)."""
-    temperature: float | None = None
-    """0 = greedy."""
-    top_p: float | None = None
-    top_k: int | None = None
-    """-1 = no top-k."""
-    max_tokens: int | None = None
-    """At most ``max_response_length``; responses are still padded to ``max_response_length``."""
-    ignore_eos: bool | None = None
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], where: str = "generate()") -> "SamplingOverrides":
-        """Build from a dict such as ``worker.rollout.val_override_config``; unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"{where}: unknown sampling override(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(values))
-
-
-@dataclass(frozen=True)
 class Sampling:
-    """Resolved sampling settings of one generate() call."""
+    """The sampling settings of one generate() call, resolved in the driver (the run plan holds the
+    training and the validation ones)."""
 
     n: int
+    """Samples per prompt (G)."""
     temperature: float
+    """0 = greedy."""
     top_p: float
     top_k: int
+    """-1 = no top-k."""
     max_tokens: int
+    """At most the engine's response length; responses are still padded to it."""
     ignore_eos: bool
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Further fields of vLLM's ``SamplingParams`` (``worker.rollout.val_override_config``: min_p,
+    repetition_penalty, stop, ...), as (name, value) pairs; the transformers engine takes none."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def override(self, overrides: SamplingOverrides, response_length: int) -> "Sampling":
-        """A copy with the non-None overrides applied, validated; raises ValueError naming the field."""
-        changed = {k: v for k, v in dataclasses.asdict(overrides).items() if v is not None}
-        return dataclasses.replace(self, **changed).validate(response_length)
-
     def validate(self, response_length: int) -> "Sampling":
-        problems = []
-        if self.n < 1:
-            problems.append(f"n={self.n} must be >= 1")
-        if self.temperature < 0:
-            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k == 0 or self.top_k < -1:
-            problems.append(f"top_k={self.top_k} must be -1 (off) or >= 1")
-        if not 1 <= self.max_tokens <= response_length:
-            problems.append(f"max_tokens={self.max_tokens} must be in [1, data.max_response_length={response_length}]")
-        if problems:
-            raise ValueError("rollout sampling settings (worker.rollout.*): " + "; ".join(problems))
+        """Assert the invariants the engines rely on (``easyvlm.config.validate`` judged the values)."""
+        assert self.n >= 1 and self.temperature >= 0 and 0 < self.top_p <= 1, self
+        assert self.top_k == -1 or self.top_k >= 1, self
+        assert 1 <= self.max_tokens <= response_length, (self, response_length)
         return self
+
+
+def sampling_with_overrides(base: Sampling, overrides: Mapping[str, Any]) -> Sampling:
+    """``base`` with ``overrides`` applied: Sampling fields replace theirs, other keys (vLLM
+    SamplingParams fields) go to ``extra``."""
+    own = {f.name for f in dataclasses.fields(Sampling)} - {"extra"}
+    changed = {k: v for k, v in overrides.items() if k in own}
+    extra = dict(base.extra)
+    extra.update({k: v for k, v in overrides.items() if k not in own})
+    return dataclasses.replace(base, **changed, extra=tuple(sorted(extra.items())))
 
 
 class RolloutEngine(ABC):
@@ -133,13 +112,13 @@ class RolloutEngine(ABC):
         self.eos_token_ids = list(eos_token_ids)
         self.blocked_token_ids = list(blocked_token_ids)
 
-    def generate(self, batch: Batch, **overrides: Any) -> Batch:
+    def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
         """Sample n responses per prompt.
 
         batch: a prompt Batch with ``input_ids`` (B, P) left padded, ``attention_mask`` (B, P),
         ``position_ids`` (B, P) or (B, R, P), ``raw_prompt_ids`` (unpadded ids, one vision
         placeholder per image), ``images`` (PIL images per sample) and ``multi_modal_inputs``.
-        overrides: fields of ``SamplingOverrides`` (n, temperature, top_p, top_k, max_tokens, ignore_eos).
+        sampling: this call's settings (e.g. the run plan's validation sampling); None = the engine's.
 
         Returns a Batch of B*n rows (sample j of prompt i at row i*n+j) with ``prompts`` (B*n, P),
         ``responses``, ``response_mask``, ``rollout_logprobs`` (B*n, T), ``input_ids``,
@@ -149,7 +128,7 @@ class RolloutEngine(ABC):
         top-k / top-p applied), 0 after the end of each response. With ``batch[SEED_KEY]`` (an
         int per prompt) sampling is seeded per request (see the module docstring).
         """
-        sampling = self.sampling.override(SamplingOverrides.from_mapping(overrides), self.response_length)
+        sampling = (sampling or self.sampling).validate(self.response_length)
         batch.require(*PROMPT_KEYS)
         prompts = batch.repeat(sampling.n, interleave=True)
         seeds = None

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
@@ -24,11 +24,10 @@ from easyvlm.rollout.base import RolloutEngine, Sampling, mix_seeds
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def load_generation_model(model_path: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def load_generation_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The model for generation: an image-text-to-text class when transformers maps one, else causal LM."""
-    vision_language = is_vision_language_config(AutoConfig.from_pretrained(model_path))
-    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
-    return auto.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    auto = AutoModelForImageTextToText if is_vision_language_config(hf_config) else AutoModelForCausalLM
+    return auto.from_pretrained(model_path, config=hf_config, dtype=dtype).to(device).eval()
 
 
 def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
@@ -48,8 +47,8 @@ def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
 class HFRolloutEngine(RolloutEngine):
     """transformers ``generate`` behind the RolloutEngine interface.
 
-    model_path: a local model directory (or pass ``model``, e.g. a copy of the actor's module).
-    dtype: ``worker.rollout.dtype``; float32 on the CPU whatever it says. micro_batch_size: rows
+    model_path: a local model directory with its ``hf_config`` (or pass ``model``, e.g. a copy of
+    the actor's module). dtype: ``worker.rollout.dtype``; float32 on the CPU whatever it says. micro_batch_size: rows
     per ``generate`` call (``worker.rollout.max_num_seqs``). seed: on the CPU, the engine's own RNG
     stream, kept apart from the process's global torch RNG; on GPUs sampling uses the device's RNG.
     """
@@ -62,6 +61,7 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: int,
         eos_token_ids: Sequence[int],
         blocked_token_ids: Sequence[int],
+        hf_config: Any = None,
         dtype: str = "fp32",
         device: str = "cpu",
         seed: int = 1,
@@ -73,7 +73,10 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError("HFRolloutEngine needs exactly one of model_path and model")
         self.device = device
         torch_dtype = torch.float32 if device == "cpu" else DTYPES.get(dtype, torch.float32)
-        self.model = model if model is not None else load_generation_model(model_path, torch_dtype, device)
+        if model is None:
+            assert hf_config is not None, "HFRolloutEngine(model_path=...) needs the model's hf_config"
+            model = load_generation_model(model_path, hf_config, torch_dtype, device)
+        self.model = model
         # Neutral defaults: generate() fills every unset field from model.generation_config.
         self.model.generation_config = GenerationConfig()
         self.micro_batch_size = micro_batch_size

@@ -42,6 +42,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 from easyvlm.data.batch import Batch  # noqa: E402
+from easyvlm.plan.specs import EngineSpec  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine, Sampling  # noqa: E402
 
 BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
@@ -130,31 +131,27 @@ def cpu_kv_cache_bytes(
     return min(per_sequence * max_num_seqs, cap)
 
 
-def vllm_engine_kwargs(config: Any, model_path: str, model_config: Any, max_model_len: int, device: str) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for ``worker.rollout`` (``config``) on ``device``.
+def vllm_engine_kwargs(engine: EngineSpec) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for ``engine`` (``worker.rollout``, resolved).
 
-    CPU: float32 whatever ``config.dtype`` says (bf16 matmuls are emulated and slow on CPUs
-    without AVX-512 BF16, and the log-prob checks need float32), eager mode, one rank, an explicit
-    KV-cache size, no sleep mode. GPU: ``config.dtype``, sleep mode on.
+    CPU: float32 whatever ``engine.dtype`` says (bf16 matmuls are emulated and slow on CPUs
+    without AVX-512 BF16, and the log-prob checks need float32), eager mode, one rank (the config
+    check refuses another tensor_parallel_size on the CPU), an explicit KV-cache size, no sleep
+    mode. GPU: ``engine.dtype``, sleep mode on.
     """
-    on_cpu = device == "cpu"
-    if on_cpu and config.tensor_parallel_size != 1:
-        raise ValueError(
-            f"worker.rollout.tensor_parallel_size={config.tensor_parallel_size}: the CPU engine runs in the "
-            f"worker's process with one rank; set worker.rollout.tensor_parallel_size=1"
-        )
-    max_num_seqs = config.max_num_seqs or 256
+    on_cpu = engine.device == "cpu"
+    assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
-        model=model_path,
-        dtype="float32" if on_cpu else DTYPES.get(config.dtype, config.dtype),
-        seed=config.seed,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        enforce_eager=True if on_cpu else config.enforce_eager,
-        tensor_parallel_size=config.tensor_parallel_size,
-        disable_log_stats=config.disable_log_stats,
+        model=engine.model_dir,
+        dtype="float32" if on_cpu else DTYPES[engine.dtype],
+        seed=engine.seed,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        enable_chunked_prefill=engine.enable_chunked_prefill,
+        enforce_eager=True if on_cpu else engine.enforce_eager,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        disable_log_stats=engine.disable_log_stats,
         logprobs_mode="processed_logprobs",
         logits_processors=[BlockedTokensLogitsProcessor],
         # Sampling comes only from easyvlm's config, never from the model's generation_config.json
@@ -162,53 +159,49 @@ def vllm_engine_kwargs(config: Any, model_path: str, model_config: Any, max_mode
         generation_config="vllm",
         trust_remote_code=False,
     )
-    if config.limit_images:
-        kwargs["limit_mm_per_prompt"] = {"image": config.limit_images}
+    if engine.hf_config_overrides:
+        kwargs["hf_overrides"] = dict(engine.hf_config_overrides)
+    if engine.limit_images:
+        kwargs["limit_mm_per_prompt"] = {"image": engine.limit_images}
+    if engine.mm_processor_kwargs:
+        kwargs["mm_processor_kwargs"] = dict(engine.mm_processor_kwargs)
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-            model_config, max_model_len, max_num_seqs, config.gpu_memory_utilization, psutil.virtual_memory().available
+            engine.hf_config, engine.max_model_len, engine.max_num_seqs, engine.gpu_memory_utilization,
+            psutil.virtual_memory().available,
         )
     else:
-        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True
     return kwargs
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """``vllm.LLM`` behind the RolloutEngine interface.
-
-    config: ``worker.rollout`` (RolloutConfig). model_config: the model's transformers config.
-    The sampling settings, ids and lengths are resolved by ``factory.build_rollout``.
-    mm_processor_kwargs: settings of vLLM's multimodal processor, e.g.
-    ``easyvlm.data.images.vllm_mm_processor_kwargs(data.min_pixels, data.max_pixels)`` so that it
-    keeps the data pipeline's image sizes (and token counts).
-    """
+    """``vllm.LLM`` behind the RolloutEngine interface, built from the plan's `EngineSpec`; the
+    sampling settings, ids and lengths come resolved from ``factory.build_rollout``."""
 
     def __init__(
         self,
-        config: Any,
-        model_path: str,
-        model_config: Any,
+        engine: EngineSpec,
         sampling: Sampling,
         response_length: int,
-        max_model_len: int,
         pad_token_id: int,
         eos_token_ids: Sequence[int],
         blocked_token_ids: Sequence[int],
-        device: str = "cpu",
-        mm_processor_kwargs: dict | None = None,
     ):
         super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
-        self.device = device
-        self.chunked_prefill = config.enable_chunked_prefill
-        self.use_tqdm = not config.disable_tqdm
+        self.device = engine.device
+        self.chunked_prefill = engine.enable_chunked_prefill
+        self.use_tqdm = not engine.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
-        kwargs = vllm_engine_kwargs(config, model_path, model_config, max_model_len, device)
-        if mm_processor_kwargs:
-            kwargs["mm_processor_kwargs"] = dict(mm_processor_kwargs)
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**vllm_engine_kwargs(engine))
 
     def _sampling_params(self, sampling: Sampling, seed: int | None = None) -> SamplingParams:
+        stop_ids = [] if sampling.ignore_eos else list(self.eos_token_ids)  # stop ids end a request regardless
+        extra = dict(sampling.extra)  # validation overrides (min_p, stop, ...), checked by the config check
+        stop_ids += [i for i in extra.pop("stop_token_ids", None) or [] if i not in stop_ids]
+        if seed is None:
+            seed = extra.pop("seed", None)
         return SamplingParams(
             seed=seed,
             n=1,  # prompts arrive repeated n times (greedy sampling in vLLM allows only n = 1)
@@ -217,10 +210,11 @@ class VLLMRolloutEngine(RolloutEngine):
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
             ignore_eos=sampling.ignore_eos,
-            stop_token_ids=[] if sampling.ignore_eos else self.eos_token_ids,  # stop ids end a request regardless
+            stop_token_ids=stop_ids,
             logprobs=0,  # the sampled token's log-prob only
-            detokenize=False,
+            detokenize=bool(extra.get("stop")),  # stop strings are matched on text
             extra_args={BLOCKED_IDS_ARG: self.blocked_token_ids},
+            **extra,
         )
 
     def _sample(
@@ -283,7 +277,6 @@ def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:
             raise ValueError(
                 f"prompt row {i}: vLLM's expansion of raw_prompt_ids ({len(engine_ids)} tokens) differs from the "
                 f"batch's input_ids ({len(expected)} tokens). raw_prompt_ids must be input_ids with one vision placeholder "
-                f"per image (not expanded), and vLLM's processor must keep the images' size: build the engine "
-                f"with mm_processor_kwargs=easyvlm.data.images.vllm_mm_processor_kwargs(data.min_pixels, "
-                f"data.max_pixels)"
+                f"per image (not expanded), and vLLM's processor must keep the images' size (EngineSpec."
+                f"mm_processor_kwargs from easyvlm.data.images.vllm_mm_processor_kwargs)"
             )

@@ -27,6 +27,8 @@ import re
 import shutil
 from pathlib import Path
 
+from easyvlm.config.schema import TrainerConfig
+
 POINTER = "latest_checkpointed_iteration.txt"
 HF_EXPORT_DIR = "actor/huggingface"  # inside a checkpoint: the policy in Hugging Face format
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -140,3 +142,18 @@ def latest_checkpoint(save_dir: Path) -> Path | None:
             return path
     steps = completed_steps(save_dir)  # pointer missing or stale: fall back to scanning
     return save_dir / f"global_step_{steps[-1]}" if steps else None
+
+
+def resume_checkpoint(trainer: TrainerConfig, save_dir: Path) -> Path | None:
+    """The checkpoint a run resumes from, checked (the driver calls this before Ray starts):
+    ``trainer.load_checkpoint_path``, else with ``trainer.find_last_checkpoint`` the newest one in
+    ``save_dir``, else None. Raises `CheckpointError` naming the problem."""
+    if trainer.load_checkpoint_path:
+        path = resolve_checkpoint(trainer.load_checkpoint_path)
+    elif trainer.find_last_checkpoint and save_dir.is_dir():
+        path = latest_checkpoint(save_dir)
+    else:
+        path = None
+    if path is not None:
+        check_resumable(path)
+    return path

@@ -9,7 +9,7 @@ between is pure functions (`easyvlm.algorithms`, `easyvlm.trainer.core`).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import random
 from functools import partial
@@ -21,22 +21,26 @@ import ray
 import torch
 
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage, kl_penalty
-from easyvlm.config.derived import Derived
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS, Batch
+from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.distributed.worker_group import Resources, WorkerGroup
+from easyvlm.plan.build import RunPlan
+from easyvlm.plan.specs import with_total_steps
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
 from easyvlm.rewards.types import RewardResult
-from easyvlm.rollout.base import SEED_KEY, prompt_seeds
+from easyvlm.rollout.base import Sampling
 from easyvlm.trainer import core
-from easyvlm.trainer.checkpoint import (
-    HF_EXPORT_DIR,
-    CheckpointManager,
-    check_resumable,
-    latest_checkpoint,
-    resolve_checkpoint,
+from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager
+from easyvlm.trainer.metrics import (
+    data_metrics,
+    reward_metrics,
+    response_metrics,
+    throughput_metrics,
+    timed,
+    timing_per_token_metrics,
+    val_metrics,
 )
-from easyvlm.trainer.metrics import reward_metrics, response_metrics, throughput_metrics, timed, val_metrics
-from easyvlm.trainer.tracking import Tracker, data_order_log
+from easyvlm.trainer.tracking import Generation, Tracker, data_order_log
 from easyvlm.workers.actor import update_is_on_policy
 from easyvlm.workers.hybrid import CriticHost, HybridWorker
 
@@ -44,8 +48,6 @@ logger = logging.getLogger("easyvlm")
 
 # the kinds of generation calls, part of their sampling seeds (Trainer._seeded)
 TRAIN_CALL, VAL_CALL = 0, 1
-# keys the actor / critic updates read; everything else stays in the driver
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 
 
 class OnlineFilterError(RuntimeError):
@@ -53,43 +55,44 @@ class OnlineFilterError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: Any, derived: Derived, resources: Resources, device: str):
-        from transformers import AutoProcessor, AutoTokenizer, AutoConfig
+    """The driver's loop over a `RunPlan`. ``train_loader`` hands out one generation round of
+    prompts per batch; ``resume_from``: a checkpoint the driver checked before Ray started."""
 
-        from easyvlm.data.dataloader import create_dataloaders
-        from easyvlm.models.builtin import resolve_model_path
-
-        self.cfg, self.derived = cfg, derived
-        model_path = resolve_model_path(cfg.worker.actor.model.model_path)
-        tokenizer_path = resolve_model_path(derived.tokenizer_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        try:
-            processor = AutoProcessor.from_pretrained(tokenizer_path)
-        except (OSError, ValueError):  # a text-only model has no processor
-            processor = None
-        model_config = AutoConfig.from_pretrained(model_path)
-        self.train_loader, self.val_loader = create_dataloaders(cfg.data, self.tokenizer, processor, model_config)
-        self.total_steps = derived.total_steps(len(self.train_loader.dataset))
-
-        self.kl_ctrl = build_kl_controller(
-            cfg.algorithm.kl_type, cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon
-        )
-        self.advantage_fn = get_advantage(cfg.algorithm.adv_estimator)
-        self.ckpt = CheckpointManager(derived.save_checkpoint_path, cfg.trainer.save_limit)
+    def __init__(
+        self,
+        plan: RunPlan,
+        train_loader: PromptDataLoader,
+        val_loader: PromptDataLoader | None,
+        resources: Resources,
+        resume_from: Path | None = None,
+    ):
+        self.plan, self.cfg, self.derived = plan, plan.config, plan.derived
+        self.tokenizer = plan.bundle.tokenizer
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.total_steps = self.derived.total_steps(len(train_loader.dataset))
+        self.resume_from = resume_from
+        algo = self.cfg.algorithm
+        self.kl_ctrl = build_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
+        self.advantage_fn = get_advantage(algo.adv_estimator)
+        self.ckpt = CheckpointManager(self.derived.save_checkpoint_path, self.cfg.trainer.save_limit)
         self.global_step = 0
+        self._step_uids: list[str] = []  # prompts of the current step, for the data-order log
+        self.tracker: Tracker | None = None  # made by fit()
+        # ranks of a Ulysses group share their samples in the model passes (generation is not split)
+        self.actor_sp = plan.actor.forward.ulysses_size
+        self.critic_sp = plan.critic.forward.ulysses_size if plan.critic is not None else 1
 
-        # workers: the reward actor first (it validates the reward files before anything heavy)
-        self.reward_actor = create_reward_actor(cfg.worker.reward)
+        # workers: the reward actor first (it loads the reward files before anything heavy)
+        self.reward_actor = create_reward_actor(plan.reward, self.cfg.worker.reward.num_cpus)
         self.hybrid: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
         # the critic's rank r shares rank r's device (and CPUs) with the hybrid worker
-        share = 0.5 if derived.use_critic else 1.0
+        share = 0.5 if plan.critic is not None else 1.0
+        actor = with_total_steps(plan.actor, self.total_steps)
         try:
-            self.hybrid = WorkerGroup(
-                "hybrid", resources, partial(HybridWorker, cfg, self.total_steps, derived.use_reference, device), share=share
-            )
-            if derived.use_critic:
-                critic = partial(CriticHost, cfg, self.total_steps)
+            self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, plan.rollout), share=share)
+            if plan.critic is not None:
+                critic = partial(CriticHost, with_total_steps(plan.critic, self.total_steps))
                 self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
         except BaseException:
             self.shutdown()
@@ -99,12 +102,12 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         cfg = self.cfg.trainer
         self._load_checkpoint()
-        tracker = Tracker(
+        self.tracker = tracker = Tracker(
             cfg.logger,
             Path(self.derived.save_checkpoint_path),
             cfg.project_name,
             cfg.experiment_name,
-            {"config": str(self.cfg)},
+            dataclasses.asdict(self.cfg),
             self.total_steps,
             self.global_step,
         )
@@ -118,12 +121,12 @@ class Trainer:
                 return last_metrics
             for prompts in self._prompt_batches():
                 self.global_step += 1
-                if order_log is not None:
-                    order_log.log(self.global_step, {"uids": list(prompts["uid"])})
                 metrics = self.train_step(prompts)
+                if order_log is not None:  # the prompts of every generation round of the step
+                    order_log.log(self.global_step, {"uids": self._step_uids})
                 is_last = self.global_step >= self.total_steps
                 if cfg.val_freq > 0 and (self.global_step % cfg.val_freq == 0 or is_last):
-                    with timed("testing", metrics):
+                    with timed("validation", metrics):  # EasyR1's name
                         metrics.update(self.validate())
                 if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or is_last):
                     with timed("save_checkpoint", metrics):
@@ -136,6 +139,8 @@ class Trainer:
             tracker.close()
             if order_log is not None:
                 order_log.close()
+            if cfg.ray_timeline:  # before shutdown: killed actors lose the events they have not flushed
+                ray.timeline(filename=cfg.ray_timeline)
         return last_metrics
 
     def _prompt_batches(self):
@@ -164,17 +169,22 @@ class Trainer:
             # update (one PPO epoch, one mini-batch, no KL in the reward) needs no old log-probs: the
             # actor uses its update's own forward pass, detached (then no timing_s/old is logged)
             model_inputs = batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)
-            if not update_is_on_policy(self.derived.actor.optimizer_steps_per_step, self.derived.kl_in_reward):
+            if not update_is_on_policy(self.plan.actor.update.optimizer_steps_per_step, self.derived.kl_in_reward):
                 with timed("old", metrics):
-                    batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs))
-            if self.derived.use_reference:
+                    batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs, self.actor_sp))
+            # the full KL as a loss term is computed in the update itself (the reference's whole
+            # distribution per micro-batch, in the actor's process); every other KL reads ref log-probs
+            full_kl = algo.kl_penalty == "full"
+            if self.derived.use_reference and not (full_kl and self.derived.kl_in_loss):
                 with timed("ref", metrics):
-                    batch = batch.union(self.hybrid.dispatch("compute_ref_logprobs", model_inputs))
+                    ref = self.hybrid.dispatch("compute_ref_logprobs", model_inputs, self.actor_sp, full_kl=full_kl)
+                    batch = batch.union(ref)
             if self.critic is not None:
                 with timed("values", metrics):
-                    batch = batch.union(self.critic.dispatch("compute_values", model_inputs))
+                    batch = batch.union(self.critic.dispatch("compute_values", model_inputs, self.critic_sp))
             with timed("reward", metrics):
-                result: RewardResult = reward_ref if isinstance(reward_ref, RewardResult) else ray.get(reward_ref)
+                result = reward_ref if isinstance(reward_ref, RewardResult) else _concat_results(ray.get(reward_ref))
+            assert len(result.overall) == len(batch), "one reward per sample"
             metrics.update(result.metrics)
             seq_rewards = torch.tensor(result.overall, dtype=torch.float32)
 
@@ -182,7 +192,7 @@ class Trainer:
             with timed("adv", metrics):
                 token_rewards = core.place_seq_rewards(seq_rewards, batch["response_mask"].bool())
                 if self.derived.kl_in_reward:
-                    kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_penalty)
+                    kl = batch["ref_kl"] if full_kl else kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_penalty)
                     token_rewards, kl_metrics = apply_kl_penalty(token_rewards, kl, self.kl_ctrl.value, batch["response_mask"].bool())
                     self.kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
                     metrics.update({"critic/kl": kl_metrics["kl"], "critic/kl_coef": kl_metrics["kl_coef"]})
@@ -201,49 +211,59 @@ class Trainer:
                 batch["token_rewards"], batch["advantages"], batch["returns"] = token_rewards, adv.advantages, adv.returns
 
             # 4. updates
-            update_keys = [k for k in (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values") if k in batch]
-            update_batch = batch.select(*update_keys, meta=False)
+            update_batch = batch.select(*[k for k in UPDATE_INPUT_KEYS if k in batch], meta=False)
             if self.critic is not None:
                 with timed("update_critic", metrics):
-                    metrics.update(_rank0_metrics(self.critic.dispatch_collect("update_critic", update_batch)))
+                    metrics.update(_rank0_metrics(self.critic.dispatch_collect("update_critic", update_batch, self.critic_sp)))
             if self.global_step > self.cfg.trainer.critic_warmup:
                 with timed("update_actor", metrics):
-                    metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", update_batch)))
+                    metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", update_batch, self.actor_sp)))
 
         prompt_mask = batch["attention_mask"][:, : batch["prompts"].shape[1]].bool()
-        metrics.update(response_metrics(batch["response_mask"].bool(), prompt_mask, self.cfg.data.max_response_length))
-        metrics.update(throughput_metrics(core.count_tokens(batch["attention_mask"]), metrics["timing_s/step"], self.derived.world_size))
+        mask = batch["response_mask"].bool()
+        data = self.cfg.data
+        metrics.update(data_metrics(seq_rewards, batch["token_rewards"], batch["advantages"], batch["returns"], mask, batch.get("values")))
+        metrics.update(response_metrics(mask, prompt_mask, data.max_response_length, data.max_prompt_length))
+        num_tokens = core.count_tokens(batch["attention_mask"])
+        metrics.update(timing_per_token_metrics(metrics, int(mask.sum()), num_tokens))
+        metrics.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.derived.world_size))
         metrics["training/global_step"] = float(self.global_step)
         metrics["training/epoch"] = float(self.train_loader.epoch)
         return metrics
 
     # ------------------------------------------------------------------ generation and rewards
     def _generate(self, prompts: Batch, metrics: dict[str, float]) -> tuple[Batch, Any]:
-        """Rollout batch and its reward (a Ray ref, or the result itself when filtering needed it)."""
-        algo = self.cfg.algorithm
-        if not algo.online_filtering:
-            batch = self.hybrid.dispatch("generate", self._seeded(prompts, TRAIN_CALL, self.global_step, 0))
-            inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
-            return batch, self.reward_actor.compute.remote(inputs)
+        """The step's rollout batch of ``data.rollout_batch_size`` prompt groups, and its reward: Ray
+        refs of the rounds' results, or the result itself when online filtering needed it.
 
-        # DAPO dynamic sampling: keep groups whose mean filter_key is inside (low, high)
+        Generation runs in rounds of ``data.mini_rollout_batch_size`` prompts (default: one round of
+        all). Without online filtering every group is kept and rounds repeat until the step has its
+        prompts; with it (DAPO's dynamic sampling) only groups whose mean ``filter_key`` lies inside
+        (filter_low, filter_high) are kept, for at most ``trainer.max_try_make_batch`` rounds."""
+        algo = self.cfg.algorithm
         wanted = self.cfg.data.rollout_batch_size
         kept: list[Batch] = []
-        kept_results: list[RewardResult] = []
-        n_kept, tries = 0, 0
+        results: list[Any] = []  # RewardResults (filtering) or Ray refs
+        n_kept, rounds = 0, 0
         iterator = iter(self._refill(prompts))
         while n_kept < wanted:
-            tries += 1
+            rounds += 1
             limit = self.cfg.trainer.max_try_make_batch
-            if limit > 0 and tries > limit:
+            if algo.online_filtering and limit > 0 and rounds > limit:
                 raise OnlineFilterError(
                     f"online filtering kept {n_kept} of {wanted} prompt groups after {limit} generation rounds "
                     f"(trainer.max_try_make_batch): almost every group scores all-right or all-wrong on "
                     f"'{algo.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
-            batch = self.hybrid.dispatch("generate", self._seeded(next(iterator), TRAIN_CALL, self.global_step, tries))
-            result = ray.get(self.reward_actor.compute.remote(build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)))
+            batch = self.hybrid.dispatch("generate", self._seeded(next(iterator), TRAIN_CALL, self.global_step, rounds - 1))
+            reward_ref = self.reward_actor.compute.remote(self._reward_inputs(batch))
+            if not algo.online_filtering:  # every group is kept (rounds divide the step: validate)
+                kept.append(batch)
+                results.append(reward_ref)
+                n_kept += len(set(batch["uid"]))
+                continue
+            result = ray.get(reward_ref)
             if algo.filter_key not in result.scores:
                 raise OnlineFilterError(
                     f"algorithm.filter_key={algo.filter_key!r} is not a key the reward returns; keys: {sorted(result.scores)}"
@@ -253,22 +273,24 @@ class Trainer:
             rows = core.rows_of_groups(batch["uid"], keep)
             if rows:
                 kept.append(batch.index(rows))
-                kept_results.append(_select_result(result, rows))
+                results.append(_select_result(result, rows))
             n_kept += len(keep)
-        metrics["online_filtering/rounds"] = float(tries)
-        merged = _concat_results(kept_results)
-        return core.concat_rollouts(kept, self.train_loader.dataset.pad_token_id), merged
+        if algo.online_filtering or rounds > 1:
+            metrics["online_filtering/rounds" if algo.online_filtering else "generation/rounds"] = float(rounds)
+        batch = kept[0] if len(kept) == 1 else core.concat_rollouts(kept, self.plan.bundle.tokens.pad)
+        self._step_uids = list(dict.fromkeys(batch["uid"]))
+        if algo.online_filtering:
+            return batch, _concat_results(results)
+        return batch, results  # refs: collected after the log-prob passes
+
+    def _reward_inputs(self, batch: Batch) -> list:
+        return build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
 
     def _seeded(self, prompts: Batch, *call: int) -> Batch:
-        """``prompts`` with a sampling seed per prompt, derived from worker.rollout.seed and the
-        generation call (kind, step, round or batch), when worker.rollout.per_request_seed is on:
-        a resumed run then samples exactly what an uninterrupted run did. Off: the engine's stream."""
-        rollout = self.cfg.worker.rollout
-        if not rollout.per_request_seed:
+        """``prompts`` seeded for one generation call when worker.rollout.per_request_seed is on."""
+        if not self.plan.rollout.per_request_seed:
             return prompts
-        prompts = prompts.copy()
-        prompts[SEED_KEY] = prompt_seeds(rollout.seed, call, len(prompts))
-        return prompts
+        return core.seeded_prompts(prompts, self.cfg.worker.rollout.seed, call)
 
     def _refill(self, first: Batch):
         """The step's prompts, then more prompts from the loader for further filtering rounds."""
@@ -279,8 +301,9 @@ class Trainer:
 
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax (arXiv:2310.10505): the reward of one greedy response per prompt, per sample."""
-        greedy = self.hybrid.dispatch("generate", prompts, n=1, temperature=0.0)
-        result = ray.get(self.reward_actor.compute.remote(build_reward_inputs(greedy, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)))
+        greedy_sampling = dataclasses.replace(self.plan.rollout.sampling, n=1, temperature=0.0)
+        greedy = self.hybrid.dispatch("generate", prompts, sampling=greedy_sampling)
+        result = ray.get(self.reward_actor.compute.remote(self._reward_inputs(greedy)))
         by_uid = dict(zip(greedy["uid"], result.overall))
         return torch.tensor([by_uid[uid] for uid in batch["uid"]], dtype=torch.float32)
 
@@ -288,29 +311,21 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
             return {}
-        overrides = dict(self.cfg.worker.rollout.val_override_config)
         scores: dict[str, list[float]] = {}
         samples = []
+        sampling: Sampling = self.plan.rollout.val_sampling
         for index, prompts in enumerate(self.val_loader):
-            batch = self.hybrid.dispatch("generate", self._seeded(prompts, VAL_CALL, self.global_step, index), **overrides)
-            inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
+            batch = self.hybrid.dispatch("generate", self._seeded(prompts, VAL_CALL, self.global_step, index), sampling=sampling)
+            inputs = self._reward_inputs(batch)
             result: RewardResult = ray.get(self.reward_actor.compute.remote(inputs))
             for key, values in result.scores.items():
                 scores.setdefault(key, []).extend(values)
             samples.extend(zip([i.prompt for i in inputs], [i.response for i in inputs], [i.ground_truth for i in inputs], result.overall))
         metrics = val_metrics(scores)
-        self._log_generations(samples)
-        return metrics
-
-    def _log_generations(self, samples: list) -> None:
         count = self.cfg.trainer.val_generations_to_log
-        if count <= 0 or not samples:
-            return
-        path = Path(self.derived.save_checkpoint_path) / "val_generations.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            for prompt, response, truth, score in samples[:count]:
-                f.write(json.dumps({"step": self.global_step, "prompt": prompt, "response": response, "ground_truth": str(truth), "score": score}) + "\n")
+        if count > 0 and self.tracker is not None:
+            self.tracker.log_generations(self.global_step, [Generation(p, r, str(g), s) for p, r, g, s in samples[:count]])
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, score: float | None) -> Path:
@@ -333,16 +348,9 @@ class Trainer:
         return self.ckpt.commit(self.global_step, score)
 
     def _load_checkpoint(self) -> None:
-        cfg = self.cfg.trainer
-        if cfg.load_checkpoint_path:
-            path = resolve_checkpoint(cfg.load_checkpoint_path)
-        elif cfg.find_last_checkpoint:
-            path = latest_checkpoint(Path(self.derived.save_checkpoint_path))
-        else:
-            path = None
+        path = self.resume_from
         if path is None:
             return
-        check_resumable(path)
         logger.warning("easyvlm: resuming from %s", path)
         state = torch.load(path / "trainer_state.pt", weights_only=False)
         self.hybrid.call_all("load_checkpoint", str(path))
@@ -378,8 +386,13 @@ def _select_result(result: RewardResult, rows: list[int]) -> RewardResult:
 
 
 def _concat_results(results: list[RewardResult]) -> RewardResult:
+    """One result of several rounds' (or of one round's kept rows): scores in order, metrics
+    recomputed over them (the error count summed)."""
     scores: dict[str, list[float]] = {}
     for r in results:
         for k, v in r.scores.items():
             scores.setdefault(k, []).extend(v)
-    return RewardResult(scores, reward_metrics(scores), [])
+    metrics = reward_metrics(scores)
+    if any("reward/error_count" in r.metrics for r in results):
+        metrics["reward/error_count"] = sum(r.metrics.get("reward/error_count", 0.0) for r in results)
+    return RewardResult(scores, metrics, [e for r in results for e in r.errors])

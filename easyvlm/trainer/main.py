@@ -1,14 +1,19 @@
 """Entry point: ``python -m easyvlm.trainer.main config=examples/config.yaml key=value ...``
 
-1. parse and validate the config (exit 2 with a message on any problem, before anything heavy);
-2. make every local path absolute (Ray workers do not share the driver's working directory);
-3. start Ray locally, or join a cluster (``trainer.ray_address`` or ``RAY_ADDRESS``);
-4. build the trainer (data, reward actor, worker groups) and run the loop.
+Everything that can be wrong with a run is found before Ray starts, and reported as
+``easyvlm: config error:`` (or ``data error:``) with exit status 2 and no traceback:
+
+1. parse and validate the config (``easyvlm.config``);
+2. build the run plan: paths resolved, the model's config, tokenizer and processor loaded once,
+   the checks that need the model or the device (``easyvlm.plan.build``);
+3. load every reward file and check its function; read the data sets (every row encoded once);
+   find the checkpoint to resume from and check it;
+4. start Ray locally, or join a cluster (``trainer.ray_address`` or ``RAY_ADDRESS``), build the
+   workers from the plan and run the loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -16,10 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from easyvlm.config.cli import exit_with_problems, parse_and_validate
-from easyvlm.config.derived import derive
-from easyvlm.config.errors import Problem
-from easyvlm.config.schema import PPOConfig
-from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
+from easyvlm.config.errors import ConfigError
+from easyvlm.plan.build import RunPlan, build_plan, pick_device
 
 # what Ray workers need to see from the driver's environment
 _FORWARDED_ENV = (
@@ -32,79 +35,14 @@ _FORWARDED_ENV = (
     "PYTHONPATH",
     "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
 )
+EXIT_DATA_ERROR = 2
 
 
-def _abs_if_local(path: str | None) -> str | None:
-    """An absolute path if ``path`` names something on disk (keeps ``builtin:`` and hub ids)."""
-    if not path:
-        return path
-    head, at, split = path.partition("@")
-    return str(Path(head).resolve()) + at + split if Path(head).exists() else path
-
-
-def resolve_paths(cfg: PPOConfig) -> PPOConfig:
-    """The same config with local paths made absolute; ``file.py:func`` specs resolved."""
-    r = dataclasses.replace
-
-    def model(m):
-        return r(m, model_path=_abs_if_local(m.model_path), tokenizer_path=_abs_if_local(m.tokenizer_path))
-
-    def spec(value: str) -> str:
-        return resolve_plugin_spec(value) if is_plugin_spec(value) else value
-
-    reward = cfg.worker.reward
-    reward = r(
-        reward,
-        reward_function=spec(reward.reward_function) if reward.reward_function else reward.reward_function,
-        reward_functions=[r(f, reward_function=spec(f.reward_function)) for f in reward.reward_functions],
-    )
-    actor = r(cfg.worker.actor, model=model(cfg.worker.actor.model), loss_type=spec(cfg.worker.actor.loss_type))
-    critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
-    data = r(
-        cfg.data,
-        train_files=_abs_if_local(cfg.data.train_files),
-        val_files=_abs_if_local(cfg.data.val_files),
-        image_dir=_abs_if_local(cfg.data.image_dir),
-        format_prompt=_abs_if_local(cfg.data.format_prompt),
-        override_chat_template=_abs_if_local(cfg.data.override_chat_template),
-    )
-    trainer = r(
-        cfg.trainer,
-        save_checkpoint_path=_abs_path(cfg.trainer.save_checkpoint_path),
-        load_checkpoint_path=_abs_if_local(cfg.trainer.load_checkpoint_path),
-    )
-    return r(
-        cfg,
-        data=data,
-        algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
-        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward),
-        trainer=trainer,
-    )
-
-
-def reward_function_problems(cfg: PPOConfig) -> list[Problem]:
-    """Load every reward file and check its function's signature, in the driver, before Ray starts:
-    a missing function or a wrong signature is a config error, not a traceback minutes later."""
-    from easyvlm.rewards.loader import load_reward_function
-    from easyvlm.rewards.manager import RewardSettings
-    from easyvlm.rewards.types import RewardError
-
-    try:
-        for spec in RewardSettings.from_config(cfg.worker.reward).functions:
-            load_reward_function(spec)
-    except RewardError as err:
-        return [Problem("worker.reward", str(err.args[0]))]
-    return []
-
-
-def _abs_path(path: str | None) -> str | None:
-    return str(Path(path).resolve()) if path else path
-
-
-def start_ray(cfg: PPOConfig) -> Any:
+def start_ray(plan: RunPlan) -> Any:
     """Join ``trainer.ray_address`` / ``RAY_ADDRESS`` if given, else start a local cluster."""
     import ray
 
+    cfg = plan.config
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-call INFO/WARNING lines drown the progress bar
@@ -120,35 +58,44 @@ def start_ray(cfg: PPOConfig) -> Any:
     return ray
 
 
-def pick_device(cfg: PPOConfig, ray_module: Any) -> str:
-    if cfg.trainer.device != "auto":
-        return cfg.trainer.device
-    return "cuda" if ray_module.cluster_resources().get("GPU", 0) > 0 else "cpu"
+def plan_run(argv: Sequence[str]) -> RunPlan:
+    """argv -> the run plan, or exit 2 with every problem found (config, model files, device)."""
+    cfg = parse_and_validate(argv)
+    try:
+        plan = build_plan(cfg, pick_device(cfg))
+    except ConfigError as err:
+        exit_with_problems(err.problems)
+    for line in plan.notices:
+        sys.stderr.write(f"easyvlm: note: {line}\n")
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    cfg = parse_and_validate(sys.argv[1:] if argv is None else argv)
-    derived = derive(cfg)
-    cfg = resolve_paths(cfg)
-    problems = reward_function_problems(cfg)
-    if problems:
-        exit_with_problems(problems)
-    derived = dataclasses.replace(derived, save_checkpoint_path=str(Path(derived.save_checkpoint_path).resolve()))
+    plan = plan_run(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+    from easyvlm.data.dataloader import plan_dataloaders
+    from easyvlm.data.loading import DataError
     from easyvlm.distributed.worker_group import Resources
-    from easyvlm.models.builtin import resolve_model_path
+    from easyvlm.trainer.checkpoint import CheckpointError, resume_checkpoint
     from easyvlm.trainer.loop import Trainer
 
-    # build builtin assets once here, not racing in every worker
-    resolve_model_path(cfg.worker.actor.model.model_path)
-    ray = start_ray(cfg)
-    device = pick_device(cfg, ray)
-    cpus_per_worker = max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node) if device == "cpu" else 4
-    resources = Resources(world_size=derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=device == "cuda")
-    trainer = Trainer(cfg, derived, resources, device)
+    try:
+        train_loader, val_loader = plan_dataloaders(plan)
+        resume_from = resume_checkpoint(plan.config.trainer, Path(plan.derived.save_checkpoint_path))
+    except (DataError, CheckpointError) as err:
+        sys.stderr.write(f"easyvlm: {'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}\n")
+        sys.exit(EXIT_DATA_ERROR)
+    except ConfigError as err:
+        exit_with_problems(err.problems)
+    ray = start_ray(plan)
+    if plan.config.trainer.device == "auto" and plan.device == "cpu" and ray.cluster_resources().get("GPU", 0) > 0:
+        plan = build_plan(plan.config, "cuda")  # a GPU cluster joined from a machine without one
+    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
+    resources = Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
+    trainer = Trainer(plan, train_loader, val_loader, resources, resume_from)
     try:
         metrics = trainer.fit()
     finally:

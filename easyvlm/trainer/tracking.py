@@ -1,30 +1,117 @@
-"""Where metrics go: console (progress bar), a JSONL file, TensorBoard, and optional online trackers.
+"""Where metrics and run records go: ``trainer.logger`` backends and the files of a run directory.
 
-``file`` writes ``<save_checkpoint_path>/experiment_log.jsonl``: one JSON object per step, ``step`` plus
-every metric; a resumed run appends to it (rows of steps after the resumed checkpoint are dropped
-first, so the log never holds two rows for one step).
+The run directory is ``<save_checkpoint_path>``. Whatever the loggers, it gets
+``experiment_config.json`` (the resolved config, rewritten at each launch: it is what the
+checkpoints beside it were trained with, so a run is reproducible without any logger) and, when
+validation samples are logged, ``val_generations.jsonl`` (one JSON object per sample with its step).
+Per logger:
+
+- ``console``: a progress bar with a few key metrics; validation metrics and samples printed.
+- ``file``: ``experiment_log.jsonl``, one flat JSON object per step (``step`` plus every metric),
+  and EasyR1's ``generations.log`` (``[prompt] / [output] / [ground_truth] / [score]`` blocks, each
+  after a ``[step] N`` line).
+- ``tensorboard``: ``tensorboard/`` event files (scalars, the config as text).
+- ``wandb``: a wandb run; **offline** under ``wandb/`` unless ``WANDB_API_KEY``, a ``wandb login``
+  (netrc) or ``WANDB_MODE`` says otherwise. ``WANDB_DIR`` replaces the run directory.
+- ``swanlab``: a swanlab run; **offline** under ``swanlog/`` unless ``SWANLAB_API_KEY``, a
+  ``swanlab login`` or ``SWANLAB_MODE`` says otherwise. ``SWANLAB_LOG_DIR`` (or EasyR1's
+  ``SWANLAB_DIR``) replaces the directory.
+- ``mlflow``: a run in the file store ``mlruns/`` (``MLFLOW_TRACKING_URI`` replaces it; the
+  experiment is ``MLFLOW_EXPERIMENT_NAME`` or the project name). mlflow-skinny suffices.
+
+wandb and swanlab also get a ``val/generations`` table / texts of the validation samples.
+
+A resumed run (``start_step`` > 0) first drops the rows of steps after its checkpoint from the
+JSONL files and ``generations.log``, so no step is recorded twice; a new run (``start_step`` = 0)
+starts them empty.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import netrc
 import os
+import re
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
 # the few metrics shown beside the progress bar
 CONSOLE_KEYS = ("reward/overall", "val/reward_score", "response_length/mean", "actor/pg_loss", "timing_s/step")
 
+# logger -> (module it imports, pip requirement that provides it); console and file need nothing
+LOGGER_PACKAGES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "swanlab": ("swanlab", "swanlab"),
+    "mlflow": ("mlflow", "mlflow-skinny"),  # the full `mlflow` package provides the module too
+}
 
-class JsonlBackend:
+
+def missing_logger_packages(loggers: Sequence[str]) -> dict[str, str]:
+    """{logger: pip requirement} for each logger in ``loggers`` whose package is not installed.
+
+    Cheap (``importlib.util.find_spec``, nothing imported): the config check calls it before Ray
+    starts, so a run does not fail at its first log line after the models have loaded.
+    """
+    return {
+        name: requirement
+        for name, (module, requirement) in LOGGER_PACKAGES.items()
+        if name in loggers and importlib.util.find_spec(module) is None
+    }
+
+
+class Generation(NamedTuple):
+    """One validation sample, EasyR1's (input, output, label, score)."""
+
+    prompt: str
+    response: str
+    ground_truth: str
+    score: float
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a backend needs to open its run."""
+
+    save_dir: Path
+    project: str
+    experiment: str
+    config: Mapping[str, Any]  # the resolved config as a plain (JSON-able) dict
+    total_steps: int
+    start_step: int
+
+
+class Backend:
+    """A logger: scalar metrics per step, optionally the validation samples, then close."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        raise NotImplementedError
+
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        pass  # loggers without a place for text ignore the samples
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- files
+class JsonlBackend(Backend):
+    """One JSON object per ``log`` call (several per step are fine), flushed at once."""
+
     def __init__(self, path: Path, resume_step: int):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # keep rows up to the checkpoint we resume from
-            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        if path.exists():  # keep the rows up to the checkpoint we resume from (none for a new run)
+            rows = [line for line in path.read_text().splitlines() if line.strip()] if resume_step > 0 else []
+            kept = [line for line in rows if json.loads(line).get("step", 0) <= resume_step]
             path.write_text("".join(line + "\n" for line in kept))
         self.file = path.open("a")
 
@@ -51,39 +138,42 @@ def data_order_log(save_dir: Path, resume_step: int) -> JsonlBackend | None:
     return JsonlBackend(save_dir / "data_order.jsonl", resume_step)
 
 
-class TensorboardBackend:
-    def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(log_dir))
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
+_STEP_LINE = re.compile(r"^\[step\] (\d+)$", re.MULTILINE)
 
 
-class WandbBackend:
-    def __init__(self, project: str, name: str, config: dict):
-        import wandb  # optional: pip install wandb
+class FileBackend(Backend):
+    """``experiment_log.jsonl`` and EasyR1's ``generations.log``."""
 
-        self.run = wandb.init(project=project, name=name, config=config)
+    def __init__(self, info: RunInfo):
+        self.metrics = JsonlBackend(info.save_dir / "experiment_log.jsonl", info.start_step)
+        self.generations_path = info.save_dir / "generations.log"
+        text = self.generations_path.read_text() if self.generations_path.exists() and info.start_step > 0 else ""
+        # blocks come in step order: cut at the first one after the checkpoint
+        later = next((m.start() for m in _STEP_LINE.finditer(text) if int(m.group(1)) > info.start_step), len(text))
+        self.generations_path.write_text(text[:later])
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.run.log(dict(metrics), step=step)
+        self.metrics.log(step, metrics)
+
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        with self.generations_path.open("a") as f:
+            for s in samples:
+                f.write(f"[step] {step}\n{_sample_text(s)}\n\n")
 
     def close(self) -> None:
-        self.run.finish()
+        self.metrics.close()
 
 
-class ConsoleBackend:
+def _sample_text(s: Generation) -> str:
+    return f"[prompt] {s.prompt}\n[output] {s.response}\n[ground_truth] {s.ground_truth}\n[score] {s.score}"
+
+
+# ---------------------------------------------------------------------------- console, tensorboard
+class ConsoleBackend(Backend):
     """A progress bar over steps with ETA and a few key metrics; validation metrics printed in full."""
 
-    def __init__(self, total_steps: int, start_step: int):
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="easyvlm", unit="step", dynamic_ncols=True)
+    def __init__(self, info: RunInfo):
+        self.bar = tqdm(total=info.total_steps, initial=info.start_step, desc="easyvlm", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         shown = {k.split("/")[-1] if k != "val/reward_score" else "val": f"{metrics[k]:.3g}" for k in CONSOLE_KEYS if k in metrics}
@@ -94,12 +184,157 @@ class ConsoleBackend:
             vals = ", ".join(f"{k}={v:.4f}" for k, v in sorted(metrics.items()) if k.startswith("val/"))
             self.bar.write(f"step {step}: {vals}")
 
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        for s in samples:
+            self.bar.write(f"step {step}:\n{_sample_text(s)}\n")
+
     def close(self) -> None:
         self.bar.close()
 
 
+class TensorboardBackend(Backend):
+    def __init__(self, info: RunInfo):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(info.save_dir / "tensorboard"))
+        self.writer.add_text("config", "```\n" + _config_json(info.config) + "\n```", info.start_step)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# ---------------------------------------------------------------------------- wandb
+def wandb_needs_offline(env: Mapping[str, str], netrc_path: Path) -> bool:
+    """True when wandb has no way to go online and no mode was chosen: no ``WANDB_API_KEY``, no
+    ``WANDB_MODE`` and no ``wandb login`` entry for the host (``WANDB_BASE_URL``) in ``netrc_path``.
+    Online, wandb would ask for a key on a terminal, or fail without one."""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_MODE"):
+        return False
+    host = urlsplit(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).netloc
+    try:
+        return netrc.netrc(str(netrc_path)).authenticators(host) is None
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one wandb could not read either
+        return True
+
+
+def _netrc_path(env: Mapping[str, str]) -> Path:
+    return Path(env["NETRC"]) if env.get("NETRC") else Path.home() / ".netrc"
+
+
+class WandbBackend(Backend):
+    COLUMNS = ["step", "prompt", "response", "ground_truth", "score"]
+
+    def __init__(self, info: RunInfo):
+        import wandb
+
+        directory = os.environ.get("WANDB_DIR") or str(info.save_dir)
+        mode = None  # wandb's own choice (WANDB_MODE, its settings)
+        if wandb_needs_offline(os.environ, _netrc_path(os.environ)):
+            mode = "offline"
+            _say(
+                f"wandb: no WANDB_API_KEY, `wandb login` or WANDB_MODE: logging offline under {directory}/wandb "
+                f"(upload later with `wandb sync <run dir>`; set WANDB_MODE=online, offline or disabled to choose)"
+            )
+        self.wandb = wandb
+        self.run = wandb.init(project=info.project, name=info.experiment, config=dict(info.config), dir=directory, mode=mode)
+        self.rows: list[list[Any]] = []
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        # a logged wandb Table cannot grow: log a new one holding every sample so far
+        self.rows.extend([step, *s] for s in samples)
+        self.run.log({"val/generations": self.wandb.Table(columns=self.COLUMNS, data=self.rows)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self.wandb.teardown()  # stops wandb's service process (it outlives finish() otherwise)
+
+
+# ---------------------------------------------------------------------------- swanlab
+class SwanlabBackend(Backend):
+    def __init__(self, info: RunInfo):
+        import swanlab
+
+        self.swanlab = swanlab
+        # swanlab reads SWANLAB_LOG_DIR itself; SWANLAB_DIR is the variable EasyR1 users set
+        log_dir = os.environ.get("SWANLAB_LOG_DIR") or os.environ.get("SWANLAB_DIR") or str(info.save_dir / "swanlog")
+        mode = None  # swanlab's own choice (SWANLAB_MODE, its settings)
+        # swanlab.Settings() holds SWANLAB_API_KEY or the key `swanlab login` saved, if any
+        if not os.environ.get("SWANLAB_MODE") and swanlab.Settings().api_key is None:
+            mode = "offline"
+            _say(
+                f"swanlab: no SWANLAB_API_KEY, `swanlab login` or SWANLAB_MODE: logging offline under {log_dir} "
+                f"(upload later with `swanlab sync <run dir>`; set SWANLAB_MODE=online, local, offline or disabled to choose)"
+            )
+        self.run = swanlab.init(project=info.project, name=info.experiment, config=dict(info.config), log_dir=log_dir, mode=mode)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        texts = [self.swanlab.Text(_sample_text(s), caption=f"sample {i + 1}") for i, s in enumerate(samples)]
+        self.run.log({"val/generations": texts}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+# ---------------------------------------------------------------------------- mlflow
+class MlflowBackend(Backend):
+    def __init__(self, info: RunInfo):
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (info.save_dir / "mlruns").resolve().as_uri()
+            _say(f"mlflow: no MLFLOW_TRACKING_URI: logging to the file store {uri} (view: `mlflow ui --backend-store-uri {uri}`)")
+        if urlsplit(uri).scheme in ("", "file"):
+            # mlflow 3 refuses its file store unless asked: it is what needs no server and no database
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or info.project
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment_id, run_name=info.experiment).info.run_id
+        params = [Param(key, str(value)[:MAX_PARAM_VAL_LENGTH]) for key, value in _flatten(info.config).items()]
+        for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=chunk)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+        from mlflow.utils.validation import MAX_METRICS_PER_BATCH
+
+        now = int(time.time() * 1000)
+        rows = [Metric(key, float(value), now, step) for key, value in metrics.items()]
+        for chunk in _chunks(rows, MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=chunk)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+# ---------------------------------------------------------------------------- the tracker
+LOGGERS: dict[str, Callable[[RunInfo], Backend]] = {
+    "console": ConsoleBackend,
+    "file": FileBackend,
+    "tensorboard": TensorboardBackend,
+    "wandb": WandbBackend,
+    "swanlab": SwanlabBackend,
+    "mlflow": MlflowBackend,
+}
+
+
 class Tracker:
-    """Fans one ``log(step, metrics)`` out to the configured backends."""
+    """Fans ``log(step, metrics)`` and ``log_generations(step, samples)`` out to the loggers."""
 
     def __init__(
         self,
@@ -107,30 +342,84 @@ class Tracker:
         save_dir: Path,
         project: str,
         experiment: str,
-        config: dict[str, Any],
+        config: Mapping[str, Any],
         total_steps: int,
         start_step: int = 0,
     ):
-        self.backends: list[Any] = []
-        for name in loggers:
-            if name == "console":
-                self.backends.append(ConsoleBackend(total_steps, start_step))
-            elif name == "file":
-                self.backends.append(JsonlBackend(save_dir / "experiment_log.jsonl", start_step))
-            elif name == "tensorboard":
-                self.backends.append(TensorboardBackend(save_dir / "tensorboard"))
-            elif name == "wandb":
-                self.backends.append(WandbBackend(project, experiment, config))
-            else:  # mlflow / swanlab: accepted for EasyR1 configs; not wired yet
-                raise NotImplementedError(f"trainer.logger {name!r} is not supported yet; use console, file, tensorboard or wandb")
+        unknown = [name for name in loggers if name not in LOGGERS]
+        if unknown:
+            raise KeyError(f"trainer.logger: unknown logger(s) {unknown}; known: {sorted(LOGGERS)}")
+        missing = missing_logger_packages(loggers)
+        if missing:
+            raise ModuleNotFoundError(
+                f"trainer.logger: {sorted(missing)} need packages that are not installed; "
+                f"pip install {' '.join(sorted(set(missing.values())))}, or remove them from trainer.logger"
+            )
+        info = RunInfo(Path(save_dir), project, experiment, config, total_steps, start_step)
+        info.save_dir.mkdir(parents=True, exist_ok=True)
+        (info.save_dir / "experiment_config.json").write_text(_config_json(config) + "\n")
+        self.info = info
+        self.generations: JsonlBackend | None = None  # val_generations.jsonl, opened on first use
+        self.backends: list[Backend] = []
+        try:
+            for name in loggers:
+                self.backends.append(LOGGERS[name](info))
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for backend in self.backends:
             backend.log(step, metrics)
 
-    def close(self) -> None:
+    def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
+        """Record validation samples of ``step`` (the caller picks how many: trainer.val_generations_to_log)."""
+        if not samples:
+            return
+        samples = [Generation(str(p), str(r), str(g), float(s)) for p, r, g, s in samples]
+        if self.generations is None:
+            self.generations = JsonlBackend(self.info.save_dir / "val_generations.jsonl", self.info.start_step)
+        for sample in samples:
+            self.generations.log(step, sample._asdict())
         for backend in self.backends:
-            backend.close()
+            backend.log_generations(step, samples)
+
+    def close(self) -> None:
+        """Close every logger, even if one fails (the first error is raised after)."""
+        error: BaseException | None = None
+        for backend in [*self.backends, *([self.generations] if self.generations else [])]:
+            try:
+                backend.close()
+            except Exception as e:  # noqa: BLE001 - keep closing the others
+                error = error or e
+        self.backends, self.generations = [], None
+        if error is not None:
+            raise error
+
+
+# ---------------------------------------------------------------------------- helpers
+def _say(message: str) -> None:
+    print(f"easyvlm: {message}", file=sys.stderr, flush=True)
+
+
+def _config_json(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, indent=2, default=str)
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def _jsonable(value: Any) -> Any:

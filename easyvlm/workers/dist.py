@@ -53,11 +53,3 @@ def worker_device() -> torch.device:
     if torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl"):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def all_reduce_sum(value: float | torch.Tensor, device: torch.device) -> float:
-    """Sum of a scalar over all ranks (returned to every rank)."""
-    t = torch.as_tensor(value, dtype=torch.float64, device=device).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t.item())

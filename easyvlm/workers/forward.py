@@ -10,26 +10,43 @@ Blocked tokens. The rollout never samples the ids of ``easyvlm.rollout.tokens.bl
 (vision placeholders, padded LM-head rows): it samples from softmax over the other ids, and
 reports those log-probs. The actor and the reference model compute the same distribution: the
 logits of the blocked ids are -inf before the log-softmax (and the entropy), so old, current and
-rollout log-probs describe one policy. The ids come from the model's config and tokenizer.
+rollout log-probs describe one policy. The driver computes the ids once (from the tokenizer and
+the model config) and gives them to the workers: ``blocked_token_ids`` is a required argument.
+
+Sequence parallelism. With a ``UlyssesGroup`` (``easyvlm.models.ulysses``), the ranks of a group
+hold the same micro-batch; each runs the vision tower on all its images, the decoder on its slice
+of the packed row, and the model head on the response positions in its slice; the per-token
+results (log-probs, entropies, values) are then summed over the group, so every rank returns the
+same (B, T) tensors as a run without sequence parallelism (padding-free only).
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
-from easyvlm.models.padding_free import pack_inputs
+from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs, packed_segments
+from easyvlm.models.ulysses import (
+    ULYSSES_KWARG,
+    UlyssesAttention,
+    UlyssesGroup,
+    decoder_sees_slice,
+    pad_packed_row,
+    sum_over_group,
+    ulysses_problem,
+)
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
 
-logger = logging.getLogger(__name__)
+PerToken = Callable[[Tensor, Tensor], Tensor]
+"""(outputs (k, C), rows (k,) indices into the K valid response positions) -> (k, M)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,15 +165,22 @@ def response_outputs(
     device: torch.device,
     lm_head: bool = True,
     share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+    per_token: PerToken | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Model outputs at the positions predicting the valid response tokens.
 
     batch: ``input_ids``, ``attention_mask`` (B, L), ``position_ids`` (B, L) or (B, R, L),
-    ``responses`` (B, T), optionally object ``multi_modal_inputs``. Returns ``(outputs (K, C),
-    valid (B, T))``: K = valid.sum(), rows in row-major order of ``valid``; C = V (logits) or 1 (values).
+    ``responses`` (B, T), optionally object ``multi_modal_inputs``. Returns ``(outputs (K, M), valid
+    (B, T))``: K = valid.sum(), rows in row-major order of ``valid``; the model's outputs are (K, C),
+    C = V (logits) or 1 (values), and ``per_token`` (default: none) maps them to M columns.
     ``lm_head``: the model takes ``logits_to_keep`` (causal LMs), so the head runs on K positions only.
     ``share_prompts`` (padding-free only): consecutive rows with the same prompt and images run the
     prompt (and its images) once; the outputs are the same (see ``easyvlm.models.padding_free``).
+    ``ulysses`` (padding-free only): this rank's sequence-parallel group, whose ranks all pass the
+    same ``batch``; each applies ``per_token`` to the positions in its slice of the row, and the
+    (K, M) results are summed over the group (differentiably). Reduce with ``per_token`` (log-probs,
+    not (K, V) logits) before the results cross ranks.
     """
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device).bool()
@@ -166,6 +190,9 @@ def response_outputs(
     P = L - T
     if P < 1:
         raise ValueError(f"batch has input_ids of length {L} and responses of length {T}: no prompt token")
+    if ulysses is not None and not padding_free:
+        role = _role_key(lm_head)
+        raise ValueError(f"sequence parallelism ({role}.ulysses_size > 1) needs {role}.padding_free=true")
     valid = response_valid_mask(attention_mask, T)  # (B, T)
     items = list(batch.get(MULTI_MODAL_KEY) or [])
     sources = None
@@ -182,16 +209,70 @@ def response_outputs(
             prompt_source=None if sources is None else sources.to(device),
         )
         index = packed.padded_to_packed[:, P - 1 : L - 1][valid]  # (K,) packed positions
+        if ulysses is not None:
+            return _ulysses_outputs(model, packed, index, extra, lm_head, ulysses, per_token), valid
         if lm_head:
             extra["logits_to_keep"] = index
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, **extra).logits  # (1, K|N, C)
-        return (out[0] if lm_head else out[0, index]), valid
+        out = out[0] if lm_head else out[0, index]
+    else:
+        if lm_head:
+            extra["logits_to_keep"] = T + 1  # positions P-1 .. L-1; the last one predicts nothing
+        # transformers' mRoPE models take the rows first: (B, R, L) -> (R, B, L)
+        model_position_ids = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_position_ids, **extra).logits
+        out = out[:, -(T + 1) : -1][valid]  # (K, C)
+    if per_token is None:
+        return out, valid
+    return per_token(out, torch.arange(out.shape[0], device=out.device)), valid
+
+
+def _ulysses_outputs(
+    model: nn.Module,
+    packed: PackedInputs,
+    index: Tensor,
+    extra: dict[str, Any],
+    lm_head: bool,
+    sp: UlyssesGroup,
+    per_token: PerToken | None,
+) -> Tensor:
+    """:func:`response_outputs` of a packed row under Ulysses: (K, M) on every rank of ``sp``.
+
+    index (K,): the packed position of each valid response position (with shared prompts several
+    may share one). The row is padded to N_pad = S * n tokens; this rank's decoder runs on tokens
+    ``sp.rank * n ..`` and its head on the k of the K positions that fall there.
+    """
+    text_config = model.config.get_text_config()
+    problem = ulysses_problem(text_config, sp.size, key=f"{_role_key(lm_head)}.ulysses_size")
+    if problem:
+        raise ValueError(problem)
+    if text_config._attn_implementation != VARLEN_ATTENTION:  # any other attention would ignore the group
+        raise ValueError(
+            f"sequence parallelism needs the text decoder loaded with attn_implementation={VARLEN_ATTENTION!r} "
+            f"(the padding-free model); it has {text_config._attn_implementation!r}"
+        )
+    input_ids, position_ids = pad_packed_row(packed.input_ids, packed.position_ids, sp.size)  # (1, N_pad)
+    n = input_ids.shape[1] // sp.size
+    start = sp.rank * n
+    text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # (1, N_pad)
+    attention = UlyssesAttention(sp=sp, segments=packed_segments(text_positions))  # one host sync per forward
+    rows = torch.nonzero((index >= start) & (index < start + n)).reshape(-1)  # (k,) of the K
+    local = index[rows] - start  # (k,) positions in this rank's slice
     if lm_head:
-        extra["logits_to_keep"] = T + 1  # positions P-1 .. L-1; the last one predicts nothing
-    # transformers' mRoPE models take the rows first: (B, R, L) -> (R, B, L)
-    model_position_ids = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_position_ids, **extra).logits
-    return out[:, -(T + 1) : -1][valid], valid  # (K, C)
+        extra["logits_to_keep"] = local
+    with decoder_sees_slice(model, start, n):
+        out = model(input_ids=input_ids, position_ids=position_ids, **{ULYSSES_KWARG: attention}, **extra).logits
+    out = out[0] if lm_head else out[0, local]  # (k, C)
+    values = per_token(out, rows) if per_token is not None else out  # (k, M)
+    # every response position is in exactly one rank's slice: the sum over the group gathers them
+    mine = values.new_zeros(index.shape[0], values.shape[-1]).index_copy(0, rows, values)  # (K, M)
+    return sum_over_group(mine, sp)
+
+
+def _role_key(lm_head: bool) -> str:
+    """The config section of a forward: the policy (actor, and the reference model, which takes the
+    actor's ulysses_size as in EasyR1) has the LM head, the critic a value head."""
+    return "worker.actor" if lm_head else "worker.critic"
 
 
 def scatter_response(values: Tensor, valid: Tensor) -> Tensor:
@@ -216,48 +297,31 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-_BLOCKED_CACHE: dict[tuple[str, int], tuple[int, ...]] = {}
-# files of a saved tokenizer: transformers 5 builds an EMPTY tokenizer from a directory without them
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+def token_logprobs_and_entropies(
+    logits: Tensor, labels: Tensor, temperature: float, blocked: Tensor, with_entropy: bool
+) -> Tensor:
+    """The policy's per-token kernel: (K, V) logits, (K,) labels -> (K, 1 | 2) [log-prob of the
+    label, entropy] of softmax(logits / temperature) without the ``blocked`` ids (a (n,) id tensor).
+    Differentiable; :func:`token_kernel` gives it compiled (``worker.actor.use_torch_compile``)."""
+    from easyvlm.algorithms.entropy import entropy_from_logits
+
+    scaled = logits.float() / temperature
+    if blocked.numel():
+        scaled = scaled.index_fill(-1, blocked, float("-inf"))
+    logprobs = logprobs_from_logits(scaled, labels)
+    if not with_entropy:
+        return logprobs.unsqueeze(-1)
+    return torch.stack([logprobs, entropy_from_logits(scaled)], dim=-1)
 
 
-def model_blocked_token_ids(model: nn.Module) -> tuple[int, ...]:
-    """The ids the rollout blocks for ``model`` (``easyvlm.rollout.tokens.blocked_token_ids``),
-    from its config and the tokenizer saved beside it (``model.name_or_path``); cached per model
-    directory. If that directory has no tokenizer (``model.tokenizer_path`` elsewhere), only the
-    vision placeholder ids of the config are blocked, with a warning: pass ``blocked_token_ids``
-    to :func:`policy_logprobs` explicitly then."""
-    from easyvlm.rollout.tokens import VISION_TOKEN_ID_FIELDS, blocked_token_ids, model_vocab_size
-
-    config = model.config
-    path = str(getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", ""))
-    vocab_size = model_vocab_size(config)
-    key = (path, vocab_size)
-    if key in _BLOCKED_CACHE:
-        return _BLOCKED_CACHE[key]
-    tokenizer = _tokenizer_beside(path)
-    if tokenizer is None:
-        logger.warning(
-            "no tokenizer beside the model at %r: the actor/reference log-probs mask only the vision token ids "
-            "of the model config, not the padded LM-head rows the rollout also blocks", path,
-        )
-        ids = tuple(sorted({int(getattr(config, f)) for f in VISION_TOKEN_ID_FIELDS if getattr(config, f, None) is not None}))
-    else:
-        ids = tuple(blocked_token_ids(tokenizer, config))  # raises if the tokenizer does not fit the model
-    _BLOCKED_CACHE[key] = ids
-    return ids
-
-
-def _tokenizer_beside(path: str) -> Any | None:
-    """The tokenizer saved at ``path`` (a local directory or hub id), None if there is none."""
-    from transformers import AutoTokenizer
-
-    if not path or (Path(path).is_dir() and not any((Path(path) / f).exists() for f in _TOKENIZER_FILES)):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
+@functools.cache
+def token_kernel(compiled: bool) -> Callable[..., Tensor]:
+    """:func:`token_logprobs_and_entropies`, through ``torch.compile`` when ``compiled`` (EasyR1
+    compiles its log-prob kernel the same way). dynamic=True: one graph for every number of tokens
+    and vocabulary size, not one per micro-batch shape. On the CPU inductor needs a C++ compiler."""
+    if not compiled:
+        return token_logprobs_and_entropies
+    return torch.compile(token_logprobs_and_entropies, dynamic=True)
 
 
 def token_lengths(batch: Batch) -> list[int]:
@@ -303,17 +367,71 @@ def outputs_with_vision(
     dummy_image: DummyImage | None,
     lm_head: bool = True,
     share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+    per_token: PerToken | None = None,
 ) -> tuple[Tensor, Tensor]:
     """:func:`response_outputs`, after adding ``dummy_image`` to a micro-batch without images
-    (vision-language models: every rank runs the vision tower). Returns ((K, C), valid (B, T))."""
+    (vision-language models: every rank runs the vision tower). Returns ((K, M), valid (B, T))."""
     B = len(batch)
     check_no_videos(batch)
     if dummy_image is not None and not has_images(batch):
         batch = with_dummy_image(batch, dummy_image)
     out, valid = response_outputs(
-        model, batch, padding_free=padding_free, device=device, lm_head=lm_head, share_prompts=share_prompts
+        model, batch, padding_free=padding_free, device=device, lm_head=lm_head, share_prompts=share_prompts,
+        ulysses=ulysses, per_token=per_token,
     )
     return out, valid[:B]
+
+
+def policy_token_outputs(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    padding_free: bool,
+    device: torch.device,
+    dummy_image: DummyImage | None,
+    blocked_token_ids: Sequence[int],
+    share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+    ref_log_distribution: Tensor | None = None,
+    use_torch_compile: bool = False,
+) -> dict[str, Tensor]:
+    """Per-token outputs of the policy's sampling distribution softmax(logits / temperature) over
+    the ids the rollout may sample, (B, T) each, 0 at padding, differentiable:
+
+    - ``logprobs``: log-probs of ``responses``;
+    - ``entropies`` (``with_entropy``): the distributions' entropies;
+    - ``kl_full`` (``ref_log_distribution`` given: the reference's (K, V) log-distribution at the same
+      K valid positions, :func:`policy_log_distribution`): KL(pi || pi_ref) summed over the vocabulary
+      (``algorithm.kl_penalty=full``).
+
+    blocked_token_ids: the rollout's (``easyvlm.rollout.tokens.blocked_token_ids`` of the tokenizer
+    and model config, computed by the driver). ``ulysses``: see :func:`response_outputs` (these
+    per-token values, not the logits, cross ranks). ``use_torch_compile``: the per-token kernel
+    compiled (:func:`token_kernel`)."""
+    from easyvlm.algorithms.kl import kl_full
+
+    responses = batch["responses"].to(device)
+    labels = responses[response_valid_mask(batch["attention_mask"].to(device), responses.shape[1])]  # (K,)
+    blocked = torch.as_tensor(list(blocked_token_ids), dtype=torch.long, device=device)
+    kernel = token_kernel(use_torch_compile)
+
+    def per_token(logits: Tensor, rows: Tensor) -> Tensor:  # (k, V), (k,) -> (k, 1 | 2 | 3)
+        out = kernel(logits, labels[rows], temperature, blocked, with_entropy)
+        if ref_log_distribution is None:
+            return out
+        log_dist = torch.log_softmax(sampling_logits(logits, temperature, blocked_token_ids), dim=-1)
+        kl = kl_full(log_dist[None], ref_log_distribution[rows].to(log_dist.device)[None])[0]
+        return torch.cat([out, kl.unsqueeze(-1)], dim=-1)
+
+    out, valid = outputs_with_vision(
+        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts,
+        ulysses=ulysses, per_token=per_token,
+    )  # (K, 1 | 2 | 3)
+    names = ["logprobs", *(["entropies"] if with_entropy else []), *(["kl_full"] if ref_log_distribution is not None else [])]
+    return {name: scatter_response(out[:, i], valid) for i, name in enumerate(names)}
 
 
 def policy_logprobs(
@@ -325,25 +443,44 @@ def policy_logprobs(
     padding_free: bool,
     device: torch.device,
     dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int] | None = None,
+    blocked_token_ids: Sequence[int],
     share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+    use_torch_compile: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """(B, T) log-probs of ``responses`` under softmax(logits / temperature) over the ids the
-    rollout may sample, 0 at padding, and, if asked, the (B, T) entropies of those distributions.
-    Differentiable. blocked_token_ids: None = :func:`model_blocked_token_ids` of ``model``."""
-    from easyvlm.algorithms.entropy import entropy_from_logits
+    """(B, T) log-probs of ``responses`` and, if asked, (B, T) entropies: :func:`policy_token_outputs`."""
+    out = policy_token_outputs(
+        model, batch, temperature=temperature, with_entropy=with_entropy, padding_free=padding_free, device=device,
+        dummy_image=dummy_image, blocked_token_ids=blocked_token_ids, share_prompts=share_prompts, ulysses=ulysses,
+        use_torch_compile=use_torch_compile,
+    )
+    return out["logprobs"], out.get("entropies")
 
-    if blocked_token_ids is None:
-        blocked_token_ids = model_blocked_token_ids(model)
-    logits, valid = outputs_with_vision(
-        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts
-    )  # (K, V)
-    logits = sampling_logits(logits, temperature, blocked_token_ids)  # (K, V) float32
-    labels = batch["responses"].to(device)[valid]  # (K,)
-    logprobs = scatter_response(logprobs_from_logits(logits, labels), valid)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, scatter_response(entropy_from_logits(logits), valid)
+
+def policy_log_distribution(
+    model: nn.Module,
+    batch: Batch,
+    *,
+    temperature: float,
+    padding_free: bool,
+    device: torch.device,
+    dummy_image: DummyImage | None,
+    blocked_token_ids: Sequence[int],
+    share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+) -> Tensor:
+    """(K, V) log-softmax of the sampling distribution at the positions predicting the K valid
+    response tokens (row-major over ``response_valid_mask``), -inf at blocked ids. For the full KL
+    (``algorithm.kl_penalty=full``): V floats per token, so it stays in the worker's process."""
+
+    def per_token(logits: Tensor, rows: Tensor) -> Tensor:
+        return torch.log_softmax(sampling_logits(logits, temperature, blocked_token_ids), dim=-1)
+
+    out, _ = outputs_with_vision(
+        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts,
+        ulysses=ulysses, per_token=per_token,
+    )
+    return out
 
 
 @torch.no_grad()
@@ -358,8 +495,10 @@ def policy_logprobs_for_batch(
     padding_free: bool,
     device: torch.device,
     dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int] | None = None,
+    blocked_token_ids: Sequence[int],
     share_prompts: bool = False,
+    ulysses: UlyssesGroup | None = None,
+    use_torch_compile: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
     from easyvlm.workers.training import equalize_micro_batches
@@ -370,7 +509,7 @@ def policy_logprobs_for_batch(
         lp, ent = policy_logprobs(
             model, micro, temperature=temperature, with_entropy=with_entropy,
             padding_free=padding_free, device=device, dummy_image=dummy_image, blocked_token_ids=blocked_token_ids,
-            share_prompts=share_prompts,
+            share_prompts=share_prompts, ulysses=ulysses, use_torch_compile=use_torch_compile,
         )
         if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
             logprobs.append(lp.cpu())

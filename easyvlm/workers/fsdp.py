@@ -1,9 +1,34 @@
 """FSDP2 wrapping, full state-dict gathering and GPU offload helpers.
 
-``apply_fsdp`` calls ``torch.distributed.fsdp.fully_shard`` on every decoder block and vision
-block (the model's ``_no_split_modules``), then on the root; all ranks form one data-parallel
-mesh. On GPUs the parameters are computed in ``mp_param_dtype`` (bf16 by default) with gradients
-reduced in ``mp_reduce_dtype``; on the CPU everything stays float32 (no mixed precision).
+``fsdp_plan(fsdp, world_size, device_type)`` turns the ``FSDPConfig`` of a role into an
+:class:`FSDPPlan` (a pure function, so the GPU choices are testable on the CPU);
+``apply_fsdp(model, fsdp, device)`` carries it out: ``fully_shard`` on every decoder block and
+vision block (the model's ``_no_split_modules``), then on the root. What each key does:
+
+- ``fsdp_size``: -1 (or the world size) shards every parameter over all ranks; a divisor k of the
+  world size gives hybrid sharding (HSDP): a 2-D mesh of world/k replicas x k shards, parameters
+  sharded within a group of k ranks and replicated across groups, gradients reduce-scattered within
+  the group and all-reduced across groups (the averaged gradient is the same as with -1).
+- ``enable_full_shard``: False keeps parameters gathered between forward and backward (ZeRO-2).
+- ``mp_param_dtype`` / ``mp_reduce_dtype`` (CUDA only): FSDP2's ``MixedPrecisionPolicy``.
+- ``mp_buffer_dtype`` (CUDA only): FSDP2 has no buffer policy, so ``apply_fsdp`` casts the model's
+  floating-point buffers itself (:func:`cast_buffers`, before sharding), except rotary
+  frequencies (``inv_freq``, ``original_inv_freq``), which stay float32: rounded to bfloat16 they
+  are off by up to 2**-9 relative, which turns the highest frequency's angle at position 4096 by
+  up to 8 rad.
+- ``enable_cpu_offload`` (CUDA only): FSDP2's ``CPUOffloadPolicy``.
+- ``enable_rank0_init``: rank 0 reads the weights; the other ranks build the model on the meta
+  device (``load_model(..., on_meta=True)``: no file read, no host memory for weights). After
+  sharding, the meta ranks allocate their shards and rank 0 broadcasts its full state dict
+  (``set_model_state_dict(..., broadcast_from_rank0=True)``) and then every buffer, which covers
+  the non-persistent ones (rotary ``inv_freq``) that the state dict leaves out.
+- ``use_orig_params``: FSDP1's flag; FSDP2 always keeps the original parameters (one DTensor per
+  parameter, frozen and trainable ones side by side), so both values behave alike: a no-op.
+- ``torch_dtype``: the dtype the weights are loaded in (``easyvlm.workers.training.model_dtype``).
+
+On the CPU everything stays float32: no mixed precision, no buffer cast, no CPU offload (the
+parameters are in CPU memory already). This is a choice: CPU runs are for tests and small models,
+where float32 keeps results comparable with transformers' own forward.
 
 FSDP averages gradients over ranks; the actor multiplies its loss by the world size so that the
 result is the global sum (see ``easyvlm/algorithms/aggregation.py``).
@@ -11,14 +36,14 @@ result is the global sum (see ``easyvlm/algorithms/aggregation.py``).
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-logger = logging.getLogger(__name__)
+from easyvlm.config.schema import FSDPConfig, canonical_dtype
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -29,8 +54,12 @@ DTYPES = {
     "float32": torch.float32,
 }
 
+# Buffers that stay float32 whatever mp_buffer_dtype says (see the module docstring).
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
 
 def parse_dtype(name: str | torch.dtype | None, default: torch.dtype, key: str = "fsdp dtype") -> torch.dtype:
+    """``name`` (any spelling of :data:`DTYPES`) as a torch dtype; ``default`` for None."""
     if name is None:
         return default
     if isinstance(name, torch.dtype):
@@ -38,6 +67,78 @@ def parse_dtype(name: str | torch.dtype | None, default: torch.dtype, key: str =
     if name not in DTYPES:
         raise ValueError(f"{key}={name!r} is not a dtype; valid: {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class FSDPPlan:
+    """What ``apply_fsdp`` does for one role on one machine layout (see :func:`fsdp_plan`)."""
+
+    mesh_shape: tuple[int, ...]
+    """(world,) to shard over all ranks, or (replicas, shards) for hybrid sharding."""
+    mesh_dim_names: tuple[str, ...]
+    """("shard",) or ("replicate", "shard"): FSDP2 replicates over dim 0 of a 2-D mesh, shards over dim 1."""
+    param_dtype: torch.dtype | None
+    """Dtype of the gathered parameters in forward and backward; None = the parameters' own."""
+    reduce_dtype: torch.dtype | None
+    """Dtype of the gradient reduction; None = the gradients' own."""
+    buffer_dtype: torch.dtype | None
+    """Floating buffers (rotary frequencies excepted) are cast to it before sharding; None = kept."""
+    reshard_after_forward: bool
+    cpu_offload: bool
+    """FSDP2 keeps the sharded parameters (and gradients, optimizer states) in CPU memory."""
+    rank0_init: bool
+    """Only rank 0 reads the weights; the others build on the meta device and receive them."""
+
+    def loads_weights(self, rank: int) -> bool:
+        """Whether ``rank`` reads the weights from disk (else: ``load_model(..., on_meta=True)``)."""
+        return rank == 0 or not self.rank0_init
+
+
+def fsdp_plan(fsdp: FSDPConfig, world_size: int, device_type: str, key: str = "fsdp") -> FSDPPlan:
+    """The FSDP plan of a role with ``fsdp`` settings on ``world_size`` ranks of ``device_type``
+    ("cuda" or "cpu"). Raises ValueError for an ``fsdp_size`` that does not divide the world size,
+    naming ``{key}.fsdp_size`` (pass e.g. ``key="worker.actor.fsdp"``). Pure: the driver can call
+    it when it checks the config, the worker when it builds its model."""
+    if fsdp.fsdp_size in (-1, world_size):
+        shape, names = (world_size,), ("shard",)
+    elif 1 <= fsdp.fsdp_size < world_size and world_size % fsdp.fsdp_size == 0:
+        shape, names = (world_size // fsdp.fsdp_size, fsdp.fsdp_size), ("replicate", "shard")
+    else:
+        raise ValueError(
+            f"{key}.fsdp_size={fsdp.fsdp_size} with {world_size} ranks: it must be -1 (shard over all ranks) or "
+            f"a divisor of the number of ranks (hybrid sharding: world / fsdp_size replicas of fsdp_size shards)"
+        )
+    cuda = device_type == "cuda"
+    return FSDPPlan(
+        mesh_shape=shape,
+        mesh_dim_names=names,
+        param_dtype=DTYPES[canonical_dtype(fsdp.mp_param_dtype)] if cuda else None,
+        reduce_dtype=DTYPES[canonical_dtype(fsdp.mp_reduce_dtype)] if cuda else None,
+        buffer_dtype=DTYPES[canonical_dtype(fsdp.mp_buffer_dtype)] if cuda else None,
+        reshard_after_forward=fsdp.enable_full_shard,
+        cpu_offload=cuda and fsdp.enable_cpu_offload,
+        rank0_init=fsdp.enable_rank0_init and world_size > 1,
+    )
+
+
+def fully_shard_kwargs(plan: FSDPPlan) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments of ``plan``, without the mesh."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return dict(
+        mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
+        reshard_after_forward=plan.reshard_after_forward,
+    )
+
+
+def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the floating-point buffers of ``model`` to ``dtype`` in place, rotary frequencies
+    (:data:`ROTARY_BUFFERS`) excepted."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point() and name not in ROTARY_BUFFERS:
+                module._buffers[name] = buffer.to(dtype)
 
 
 def block_class_names(model: nn.Module) -> set[str]:
@@ -49,48 +150,68 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def apply_fsdp(model: nn.Module, fsdp_config: Any, device: torch.device) -> nn.Module:
-    """Shard ``model`` in place over all ranks of the default process group; returns it.
+def apply_fsdp(model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key: str = "fsdp") -> nn.Module:
+    """Shard ``model`` in place as ``fsdp_plan(fsdp, world_size, device.type)`` says, over all
+    ranks of the default process group; returns it. Collective: every rank calls it alike.
 
-    fsdp_config: easyvlm ``FSDPConfig`` (enable_full_shard, enable_cpu_offload, mp_param_dtype,
-    mp_reduce_dtype). Mixed precision and CPU offload are used on CUDA devices only.
+    With rank-0 init (``fsdp_plan(...).loads_weights(rank)`` False on ranks > 0), rank 0 passes
+    the model loaded from disk and the other ranks the same model built with
+    ``load_model(..., on_meta=True)``; all ranks end with rank 0's parameters and buffers.
+    ``key`` names the role's fsdp section in errors (e.g. ``worker.actor.fsdp``).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     if not dist.is_initialized():
         raise RuntimeError(
             "apply_fsdp needs torch.distributed initialised; call easyvlm.workers.dist.init_distributed() first"
         )
-    fsdp_size = getattr(fsdp_config, "fsdp_size", -1)
-    if fsdp_size not in (-1, None, dist.get_world_size()):
-        logger.warning("fsdp.fsdp_size=%s (hybrid sharding) is not supported; sharding over all %d ranks",
-                       fsdp_size, dist.get_world_size())
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        param_dtype = getattr(fsdp_config, "mp_param_dtype", "bf16")
-        reduce_dtype = getattr(fsdp_config, "mp_reduce_dtype", "fp32")
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=parse_dtype(param_dtype, torch.bfloat16, "fsdp.mp_param_dtype"),
-            reduce_dtype=parse_dtype(reduce_dtype, torch.float32, "fsdp.mp_reduce_dtype"),
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    plan = fsdp_plan(fsdp, world_size, device.type, key)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if on_meta and not (plan.rank0_init and rank != 0):
+        raise ValueError(
+            f"apply_fsdp: rank {rank} got a model on the meta device, but with {key}.enable_rank0_init="
+            f"{fsdp.enable_rank0_init} on {world_size} ranks it receives no weights; build it with "
+            "load_model(..., on_meta=not fsdp_plan(...).loads_weights(rank))"
         )
-    else:
-        mp_policy = MixedPrecisionPolicy()  # the CPU computes in the parameters' dtype (float32)
-    offload = CPUOffloadPolicy() if on_gpu and getattr(fsdp_config, "enable_cpu_offload", False) else OffloadPolicy()
-    kwargs = dict(
-        mesh=mesh,
-        mp_policy=mp_policy,
-        offload_policy=offload,
-        # enable_full_shard=False keeps parameters gathered between forward and backward (ZeRO-2)
-        reshard_after_forward=bool(getattr(fsdp_config, "enable_full_shard", True)),
-    )
+    # rank 0's full weights (the tensors themselves, no copy); fully_shard replaces the parameters
+    full_state = model.state_dict() if plan.rank0_init and rank == 0 else {}
+    if plan.buffer_dtype is not None:
+        cast_buffers(model, plan.buffer_dtype)
+
+    mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+    kwargs = fully_shard_kwargs(plan)
     blocks = block_class_names(model)
     for module in list(model.modules()):
         if type(module).__name__ in blocks:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+            fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
+
+    if plan.rank0_init:
+        _receive_from_rank0(model, plan, full_state, device, on_meta)
     return model
+
+
+def _receive_from_rank0(
+    model: nn.Module, plan: FSDPPlan, full_state: dict[str, Tensor], device: torch.device, on_meta: bool
+) -> None:
+    """Give every rank rank 0's weights: parameters and persistent buffers through the state dict,
+    then every buffer by broadcast (non-persistent ones such as rotary ``inv_freq`` are not in
+    the state dict, and on the meta ranks they hold garbage after ``to_empty``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if on_meta:
+        # allocate (uninitialised) shards where FSDP keeps them: CPU memory under CPU offload
+        model.to_empty(device="cpu" if plan.cpu_offload else device)
+        for module in model.modules():  # buffers are not offloaded: the forward needs them on device
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
 
 
 def full_tensor(t: Tensor) -> Tensor:

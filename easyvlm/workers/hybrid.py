@@ -1,19 +1,22 @@
 """The hybrid engine: actor, rollout engine and reference model share one process per device.
 
-One Ray actor per device holds all three (composition, not a class per role combination). Before
-every generation the actor's current weights are loaded into the rollout engine, so vLLM samples
-from exactly the policy that trains. On GPUs the engine sleeps while the actor trains (its memory
-is handed back) and wakes before the next sync; on the CPU these are no-ops.
+One Ray actor per device holds all three (composition, not a class per role combination), each built
+from its slice of the run plan. Before every generation the actor's current weights are loaded into
+the rollout engine, so vLLM samples from exactly the policy that trains. Then, while the engine
+generates, the actor and the reference model give their GPU memory back as ``worker.*.offload``
+asks, and the engine sleeps while they work; on the CPU all of these are no-ops.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.models.builtin import resolve_model_path
+from easyvlm.models.ulysses import new_ulysses_group
+from easyvlm.plan.specs import ActorSpec, CriticSpec, RefSpec, RolloutSpec
+from easyvlm.rollout.base import Sampling
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.workers.actor import ActorWorker
 from easyvlm.workers.dist import init_distributed
@@ -21,52 +24,30 @@ from easyvlm.workers.ref import RefWorker
 
 
 class HybridWorker:
-    def __init__(self, cfg: Any, total_steps: int, use_reference: bool, device: str):
-        from transformers import AutoTokenizer
-
-        from easyvlm.data.images import vllm_mm_processor_kwargs
-
+    def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: RolloutSpec):
         self.rank, self.world_size = init_distributed()
-        actor_cfg, rollout_cfg, data_cfg = cfg.worker.actor, cfg.worker.rollout, cfg.data
-        self.actor = ActorWorker(
-            actor_cfg,
-            rank=self.rank,
-            world_size=self.world_size,
-            total_steps=total_steps,
-            rollout_n=rollout_cfg.n,
-            temperature=rollout_cfg.temperature,
-            algorithm=cfg.algorithm,
-            max_response_length=data_cfg.max_response_length,
-            seed=cfg.trainer.seed,
-        )
-        self.ref = (
-            RefWorker(cfg.worker.ref, actor_cfg, rank=self.rank, world_size=self.world_size, temperature=rollout_cfg.temperature)
-            if use_reference
-            else None
-        )
-        model_path = resolve_model_path(actor_cfg.model.model_path)
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(actor_cfg.model.tokenizer_path or actor_cfg.model.model_path))
-        self.rollout = build_rollout(
-            rollout_cfg,
-            model_path,
-            tokenizer,
-            data_cfg.max_prompt_length,
-            data_cfg.max_response_length,
-            device=device,
-            mm_processor_kwargs=vllm_mm_processor_kwargs(data_cfg.min_pixels, data_cfg.max_pixels),
-        )
+        ulysses = new_ulysses_group(actor.forward.ulysses_size)  # the reference model follows the actor's
+        self.actor = ActorWorker(actor, rank=self.rank, world_size=self.world_size, ulysses=ulysses)
+        self.ref = RefWorker(ref, rank=self.rank, world_size=self.world_size, ulysses=ulysses) if ref is not None else None
+        if self.ref is not None:
+            self.actor.reference_distribution = self.ref.log_distribution  # the full KL's, in-process
+        self.rollout = build_rollout(rollout)
         self._policy_version = 0  # bumped by every actor update
         self._synced_version = -1  # the version the rollout engine holds
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, batch: Batch, **overrides: Any) -> Batch:
-        """Sample responses with the actor's current weights (synced first if they changed)."""
+    def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
+        """Sample responses with the actor's current weights (synced first if they changed).
+        sampling: None = the plan's training sampling (e.g. the plan's validation sampling)."""
         if self._synced_version != self._policy_version:
             self.rollout.wake_up(["weights"])
             self.rollout.update_weights(self.actor.state_dict_for_sync().items())
             self._synced_version = self._policy_version
+        self.actor.offload()  # idle until the next log-prob pass (GPU memory for the KV cache)
+        if self.ref is not None:
+            self.ref.offload()
         self.rollout.wake_up(["kv_cache"])
-        out = self.rollout.generate(batch, **overrides)
+        out = self.rollout.generate(batch, sampling)
         self.rollout.sleep()
         return out
 
@@ -74,10 +55,14 @@ class HybridWorker:
     def compute_logprobs(self, batch: Batch) -> Batch:
         return self.actor.compute_logprobs(batch, with_entropy=False)
 
-    def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        if self.ref is None:
-            raise RuntimeError("compute_ref_logprobs: no reference model (algorithm.disable_kl is true)")
-        return self.ref.compute_ref_logprobs(batch)
+    def compute_ref_logprobs(self, batch: Batch, full_kl: bool = False) -> Batch:
+        """``ref_logprobs`` (B, T); with ``full_kl`` also ``ref_kl`` (B, T): KL(pi || pi_ref) over the
+        vocabulary per token under the actor's current weights (the full KL in the reward)."""
+        assert self.ref is not None, "compute_ref_logprobs: the plan has no reference model (algorithm.disable_kl)"
+        out = self.ref.compute_ref_logprobs(batch)
+        if full_kl:
+            out["ref_kl"] = self.actor.full_kl(batch, self.ref.log_distribution)
+        return out
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         metrics = self.actor.update_policy(batch)
@@ -103,27 +88,24 @@ class HybridWorker:
 
 
 class CriticHost:
-    """The critic of one rank (GAE only), built in its own process group."""
+    """The critic of one rank (GAE only), built in its own process group. Idle between its calls,
+    so it gives its GPU memory back after each as ``worker.critic.offload`` asks."""
 
-    def __init__(self, cfg: Any, total_steps: int):
+    def __init__(self, spec: CriticSpec):
         from easyvlm.workers.critic import CriticWorker
 
         self.rank, self.world_size = init_distributed()
-        self.critic = CriticWorker(
-            cfg.worker.critic,
-            rank=self.rank,
-            world_size=self.world_size,
-            total_steps=total_steps,
-            rollout_n=cfg.worker.rollout.n,
-            max_response_length=cfg.data.max_response_length,
-            seed=cfg.trainer.seed,
-        )
+        self.critic = CriticWorker(spec, rank=self.rank, world_size=self.world_size)
 
     def compute_values(self, batch: Batch) -> Batch:
-        return self.critic.compute_values(batch)
+        out = self.critic.compute_values(batch)
+        self.critic.offload()
+        return out
 
     def update_critic(self, batch: Batch) -> dict[str, float]:
-        return self.critic.update_critic(batch)
+        metrics = self.critic.update_critic(batch)
+        self.critic.offload()
+        return metrics
 
     def save_checkpoint(self, path: str) -> None:
         self.critic.save_checkpoint(f"{path}/critic")

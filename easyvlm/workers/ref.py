@@ -1,57 +1,47 @@
 """The reference policy: a frozen copy of the initial policy, for KL penalties (``ref_logprobs``).
 
-It loads ``worker.actor.model`` without LoRA adapters (with LoRA the base weights are the initial
-policy) and follows the actor's micro-batch size, dynamic batching and padding-free settings;
-``worker.ref`` only gives its FSDP and offload settings (EasyR1's layout).
+Built from the run plan's `RefSpec`: the actor's model without LoRA adapters (with LoRA the base
+weights are the initial policy), the actor's forward settings (micro-batch size, dynamic batching,
+padding-free, shared prompts), and ``worker.ref``'s FSDP and offload settings (EasyR1's layout).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
+from torch import Tensor
 
 from easyvlm.data.batch import Batch
-from easyvlm.models.loading import load_model
+from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
+from easyvlm.plan.specs import RefSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import dummy_image_for, policy_logprobs_for_batch
-from easyvlm.workers.fsdp import apply_fsdp, load_model_to, offload_model
+from easyvlm.workers.forward import dummy_image_for, policy_log_distribution, policy_logprobs_for_batch
+from easyvlm.workers.fsdp import load_model_to, offload_model
+from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, model_dtype, token_budget
 
 
 class RefWorker:
-    """Args: ``config`` = ``worker.ref`` (RefConfig), ``actor_config`` = ``worker.actor``;
-    rank / world_size of the initialised process group; ``temperature``: the rollout's."""
+    """The reference model of one rank (rank / world_size of the initialised process group)."""
 
     def __init__(
         self,
-        config: Any,
-        actor_config: Any,
+        spec: RefSpec,
         *,
         rank: int,
         world_size: int,
-        temperature: float = 1.0,
         device: torch.device | None = None,
+        ulysses: UlyssesGroup | None = None,
     ):
         check_worker_group(rank, world_size)
-        self.config = config
-        self.actor_config = actor_config
+        self.ulysses = ulysses if ulysses is not None else new_ulysses_group(spec.forward.ulysses_size)
+        self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
-        self.temperature = float(temperature)
-        model_config = actor_config.model
-        if getattr(model_config.lora, "rank", 0) > 0:
-            model_config = dataclasses.replace(model_config, lora=dataclasses.replace(model_config.lora, rank=0))
-        loaded = load_model(
-            model_config,
-            role="policy",
-            dtype=model_dtype(config.fsdp, self.device, torch.bfloat16),
-            padding_free=actor_config.padding_free,
-            trainable=False,
+        self.model = build_sharded_model(
+            spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
+            padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key="worker.ref.fsdp",
         )
-        self.model = apply_fsdp(loaded.model, config.fsdp, self.device)
-        self.dummy_image = dummy_image_for(loaded.hf_config)
+        self.dummy_image = dummy_image_for(spec.model.hf_config)
         self._offloaded = False
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
@@ -63,16 +53,31 @@ class RefWorker:
         if self._offloaded:
             load_model_to(self.model, self.device)
             self._offloaded = False
-        size = self.actor_config.micro_batch_size_per_device_for_experience
+        f = self.spec.forward
         logprobs, _ = policy_logprobs_for_batch(
-            self.model, batch, micro_batch_size=size, budget=token_budget(self.actor_config, size, batch),
-            temperature=self.temperature, with_entropy=False, padding_free=self.actor_config.padding_free,
-            share_prompts=self.actor_config.share_prompts, device=self.device, dummy_image=self.dummy_image,
+            self.model, batch, micro_batch_size=f.experience.micro_batch_size, budget=token_budget(f.experience, batch),
+            temperature=f.temperature, with_entropy=False, padding_free=f.padding_free, share_prompts=f.share_prompts,
+            device=self.device, dummy_image=self.dummy_image, blocked_token_ids=f.blocked_token_ids, ulysses=self.ulysses,
+            use_torch_compile=f.use_torch_compile,
         )
         return Batch({"ref_logprobs": logprobs})
 
+    @torch.no_grad()
+    def log_distribution(self, batch: Batch) -> Tensor:
+        """(K, V) log-distribution at the K valid response positions of a micro-batch (the full KL,
+        ``algorithm.kl_penalty=full``): the actor calls it on each of its micro-batches, in-process."""
+        if self._offloaded:
+            load_model_to(self.model, self.device)
+            self._offloaded = False
+        self.model.eval()
+        f = self.spec.forward
+        return policy_log_distribution(
+            self.model, batch, temperature=f.temperature, padding_free=f.padding_free, share_prompts=f.share_prompts,
+            device=self.device, dummy_image=self.dummy_image, blocked_token_ids=f.blocked_token_ids, ulysses=self.ulysses,
+        )
+
     def offload(self) -> None:
-        """Move the weights to CPU memory if ``worker.ref.offload.offload_params`` (GPU only)."""
-        if self.config.offload.offload_params:
+        """Move the weights to host memory if ``worker.ref.offload.offload_params`` (no-op on the CPU)."""
+        if self.spec.offload.offload_params:
             offload_model(self.model)
             self._offloaded = True

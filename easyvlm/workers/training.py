@@ -1,5 +1,5 @@
-"""Mechanics shared by the workers: checks, cross-rank sums, equal micro-batch counts across ranks,
-clipping with non-finite skipping, sharded checkpoints.
+"""Mechanics shared by the workers: cross-rank sums, equal micro-batch counts across ranks,
+clipping with non-finite skipping, sharded checkpoints, token budgets.
 
 Why equal counts: FSDP2 all-gathers each block's parameters in its forward and reduce-scatters its
 gradients in the backward, as collectives. Every rank must therefore run the same number of
@@ -20,15 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from easyvlm.data.batch import Batch
-from easyvlm.workers.fsdp import parse_dtype
-
-
-def check_supported(config: Any, key: str) -> None:
-    """Refuse settings the FSDP workers do not implement, naming the config key."""
-    if getattr(config, "ulysses_size", 1) != 1:
-        raise NotImplementedError(
-            f"{key}.ulysses_size={config.ulysses_size}: sequence parallelism is not implemented; set 1"
-        )
+from easyvlm.config.schema import FSDPConfig, canonical_dtype
+from easyvlm.plan.specs import MicroBatching
+from easyvlm.workers.fsdp import DTYPES
 
 
 def check_worker_group(rank: int, world_size: int) -> None:
@@ -44,21 +38,11 @@ def check_worker_group(rank: int, world_size: int) -> None:
         )
 
 
-def model_dtype(fsdp_config: Any, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
+def model_dtype(fsdp: FSDPConfig, device: torch.device, gpu_default: torch.dtype) -> torch.dtype:
     """Parameter dtype: float32 on the CPU; on GPUs ``fsdp.torch_dtype`` or ``gpu_default``."""
     if device.type != "cuda":
         return torch.float32
-    return parse_dtype(getattr(fsdp_config, "torch_dtype", None), gpu_default, "fsdp.torch_dtype")
-
-
-def per_rank_batch_size(global_batch_size: int, rollout_n: int, world_size: int, key: str) -> int:
-    samples = global_batch_size * rollout_n
-    if samples % world_size:
-        raise ValueError(
-            f"{key}={global_batch_size} prompts x rollout.n={rollout_n} = {samples} samples cannot be split "
-            f"evenly over {world_size} ranks; choose a multiple of {world_size // np.gcd(world_size, rollout_n)}"
-        )
-    return samples // world_size
+    return gpu_default if fsdp.torch_dtype is None else DTYPES[canonical_dtype(fsdp.torch_dtype)]
 
 
 def world_size() -> int:
@@ -181,13 +165,12 @@ def load_sharded_checkpoint(
     _set_rng_state(extra["rng"])
 
 
-def token_budget(role_config: Any, micro_batch_size: int, batch: Batch) -> int | None:
+def token_budget(micro: MicroBatching, batch: Batch) -> int | None:
     """Dynamic batching's attended-token budget per micro-batch, None when it is off.
 
-    ``max_token_len_per_device`` if the role config has one, else ``micro_batch_size`` full-length
-    rows of this batch (so a budget micro-batch never exceeds the fixed-size one's padded size).
+    ``max_token_len`` if set, else ``micro_batch_size`` full-length rows of this batch (so a budget
+    micro-batch never exceeds the fixed-size one's padded size).
     """
-    if not getattr(role_config, "dynamic_batching", False):
+    if not micro.dynamic:
         return None
-    explicit = getattr(role_config, "max_token_len_per_device", None)
-    return int(explicit) if explicit else micro_batch_size * batch["input_ids"].shape[1]
+    return micro.max_token_len or micro.micro_batch_size * batch["input_ids"].shape[1]

@@ -149,13 +149,36 @@ def test_gradient_of_mini_batch_equals_sum_over_micro_batches_and_ranks(tiny_pol
     assert full_grad.abs().sum() > 0
 
 
-def test_naive_per_micro_batch_mean_is_not_split_invariant(tiny_policy):
-    """The failure mode the normaliser prevents: each micro-batch normalised by its own token count."""
-    mask, old, ref, adv = _inputs(tiny_policy)
-    full = _actor_loss(tiny_policy, "default", "token", torch.arange(8), mask, old, ref, adv, None)
-    naive = sum(
-        _actor_loss(tiny_policy, "default", "token", torch.tensor(rows), mask, old, ref, adv, None) / 4
-        for mbs in RANK_MICRO_BATCHES
-        for rows in mbs
-    )
-    assert not torch.allclose(naive, full)
+# Micro-batches of the LOSSES / MASK mini-batch as the actor cuts them: rows 0-1 (widths kept: 3)
+# and row 2 trimmed to its own width 2. Row sums 6, 4 | 15; lengths 3, 1 | 2. With norm_length 3
+# (data.max_response_length), each piece is divided by the N of the whole mini-batch.
+MICRO_ROWS, MICRO_WIDTHS, NORM_LENGTH = [[0, 1], [2]], [3, 2], 3
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected_local_normalizers", "expected_piece_losses"),
+    [
+        # N = 4 + 2 tokens = 6: pieces 10/6 + 15/6 = 25/6. Local normalisation would give 10/4 and
+        # 15/2, summing to 10 (or averaging to 5), not 25/6.
+        ("token", [4.0, 2.0], [10 / 6, 15 / 6]),
+        # N = 2 + 1 sequences = 3: (6/3 + 4/1) / 3 = 2 and (15/2) / 3 = 2.5, sum 4.5. Local: 3 and 7.5.
+        ("seq", [2.0, 1.0], [2.0, 2.5]),
+        # N = 3: 10/3 + 15/3 = 25/3. Local: 5 and 15.
+        ("seq-mean-token-sum", [2.0, 1.0], [10 / 3, 5.0]),
+        # N = 2 * 3 + 1 * 3 = 9: 10/9 + 15/9 = 25/9. Using the trimmed width 2 of the second piece
+        # instead of norm_length would give N = 6 + 2 = 8.
+        ("seq-mean-token-sum-norm", [6.0, 3.0], [10 / 9, 15 / 9]),
+    ],
+    ids=["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
+)
+def test_micro_batches_divided_by_the_mini_batch_normalizer_add_up(
+    mode, expected_local_normalizers, expected_piece_losses
+):
+    pieces = [(LOSSES[rows, :width], MASK[rows, :width]) for rows, width in zip(MICRO_ROWS, MICRO_WIDTHS)]
+    local = [loss_normalizer(mask, mode, NORM_LENGTH) for _, mask in pieces]
+    assert local == expected_local_normalizers
+    normalizer = sum(local)  # what the all-reduce (SUM) over ranks / micro-batches gives
+    piece_losses = [aggregate_loss(losses, mask, mode, normalizer) for losses, mask in pieces]
+    assert_close(torch.stack(piece_losses), torch.tensor(expected_piece_losses))
+    # and together they are the one-piece loss of test_aggregate_hand_values (25/6, 4.5, 25/3, 25/9)
+    assert_close(sum(piece_losses), aggregate_loss(LOSSES, MASK, mode, loss_normalizer(MASK, mode, NORM_LENGTH)))

@@ -57,6 +57,19 @@ def test_full_kl_hand_value_and_zero_probabilities():
     assert_close(out, torch.tensor([[math.log(2) / 4, math.log(3)], [0.0, 0.0], [0.0, 0.0]]))
 
 
+def test_full_kl_gradient_is_finite_at_removed_ids():
+    # the rollout's blocked ids are -inf in both distributions. p = (1/2, 1/2, 0), q = (1/4, 3/4, 0) in
+    # log space: KL = 1/2 ln 2 + 1/2 ln(2/3); dKL/dlog p_v = p_v (log p_v - log q_v + 1): at the
+    # removed id 0 (not NaN, which a where() after the product would give)
+    logp = torch.tensor([[[0.5, 0.5, 0.0]]]).log().requires_grad_()
+    logq = torch.tensor([[[0.25, 0.75, 0.0]]]).log()
+    kl = kl_penalty(logp, logq, "full")
+    assert_close(kl, torch.tensor([[0.5 * math.log(2) + 0.5 * math.log(2 / 3)]]))
+    kl.sum().backward()
+    expected = torch.tensor([[[0.5 * (math.log(2) + 1), 0.5 * (math.log(2 / 3) + 1), 0.0]]])
+    assert_close(logp.grad, expected)
+
+
 def test_full_kl_matches_torch_distributions():
     gen = torch.Generator().manual_seed(0)
     logits, ref_logits = torch.randn(3, 4, 6, generator=gen), torch.randn(3, 4, 6, generator=gen)

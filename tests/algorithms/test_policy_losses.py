@@ -1,4 +1,4 @@
-"""Policy losses: hand-derived values and gradients at B = 3, invariants over the registry, plug-ins."""
+"""Policy losses: hand-derived values and gradients (B = 2 or 3), invariants over the registry, plug-ins."""
 
 import math
 
@@ -221,6 +221,121 @@ def test_given_normalizer_replaces_the_local_one():
         assert_close(get_policy_loss(name)(halved)[0], get_policy_loss(name)(own)[0] / 2)
 
 
+# ----------------------------------------------------------------------------- sapo
+
+# SAPO: l = -A g, g = 4/tau sigmoid(tau (r - 1)); tau = tau_positive (1 here) for A >= 0, tau_negative
+# (2 here, far from 1 so that a swap shows) for A < 0. The ratios put tau (r - 1) at +-ln 2 or
+# +-ln 3, where sigmoid(ln k) = k / (k + 1) is exact: s = 3/4, 1/4, 2/3, 1/3.
+LN2, LN3 = math.log(2.0), math.log(3.0)
+SAPO_CASE = dict(
+    ratios=[[1 + LN3, 1 - LN3 / 2, 1 + LN2], [1 + LN2 / 2, 1 - LN2, 1.0]],
+    advantages=[[1.0, -1.0, 2.0], [-3.0, 0.5, 0.0]],
+    lengths=[3, 2],
+    tau_positive=1.0,
+    tau_negative=2.0,
+)
+
+
+def test_sapo_hand_values_and_gradient():
+    # row 0: A=+1, tau 1, x = ln 3  -> s = 3/4, g = 4 * 3/4 = 3       -> l = -3
+    #        A=-1, tau 2, x = -ln 3 -> s = 1/4, g = 4/2 * 1/4 = 1/2   -> l = +1/2
+    #        A=+2, tau 1, x = ln 2  -> s = 2/3, g = 8/3               -> l = -16/3
+    # row 1: A=-3, tau 2, x = ln 2  -> s = 2/3, g = 4/2 * 2/3 = 4/3   -> l = +4
+    #        A=.5, tau 1, x = -ln 2 -> s = 1/3, g = 4/3               -> l = -2/3; one padding token
+    # token mean: (-3 + 1/2 - 16/3 + 4 - 2/3) / 5 = -4.5 / 5 = -0.9
+    inputs = make_inputs(**SAPO_CASE)
+    loss, metrics = get_policy_loss("sapo")(inputs)
+    assert_close(loss, torch.tensor(-0.9))
+    # d l / d logprob = -A dg/dr dr/dlogprob = -A (4/tau * tau s (1 - s)) r = -A * 4 s (1 - s) * r;
+    # 4 s (1 - s) = 3/4 for s = 3/4 or 1/4, 8/9 for s = 2/3 or 1/3; / 5 tokens
+    expected_grad = torch.tensor(
+        [
+            [-1 * 3 / 4 * (1 + LN3), 1 * 3 / 4 * (1 - LN3 / 2), -2 * 8 / 9 * (1 + LN2)],
+            [3 * 8 / 9 * (1 + LN2 / 2), -0.5 * 8 / 9 * (1 - LN2), 0.0],
+        ]
+    )
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, expected_grad / 5)
+    # sapo_grad_scale = mean of 4 s (1 - s) = (3/4 + 3/4 + 8/9 + 8/9 + 8/9) / 5 = (25/6) / 5 = 5/6
+    assert metrics["sapo_grad_scale"] == pytest.approx(5 / 6)
+    assert not any(key.startswith("pg_clipfrac") for key in metrics)  # nothing is clipped
+    mean_log_r = sum(math.log(r) for r in [1 + LN3, 1 - LN3 / 2, 1 + LN2, 1 + LN2 / 2, 1 - LN2]) / 5
+    assert metrics["ppo_kl"] == pytest.approx(-mean_log_r)
+    assert metrics["entropy_loss"] == pytest.approx(1.0)
+
+
+def test_sapo_seq_mode():
+    # row means: (-3 + 1/2 - 16/3) / 3 = -47/18 and (4 - 2/3) / 2 = 5/3 = 30/18 -> mean -17/36
+    loss, _ = get_policy_loss("sapo")(make_inputs(**SAPO_CASE, loss_avg_mode="seq"))
+    assert_close(loss, torch.tensor(-17 / 36))
+
+
+@pytest.mark.parametrize(("tau_positive", "tau_negative"), [(1.0, 1.05), (0.25, 4.0), (3.0, 0.5)])
+def test_sapo_on_policy_gradient_is_the_plain_policy_gradient(tau_positive, tau_negative):
+    # at r = 1: s = 1/2, so l = -A * 2 / tau and d l / d logprob = -A * 4 * 1/4 * 1 = -A for every tau
+    clean = random_inputs()
+    inputs = random_inputs(
+        old_logprobs=clean.logprobs.detach(), tau_positive=tau_positive, tau_negative=tau_negative
+    )
+    mask, adv = inputs.response_mask, inputs.advantages
+    n_tokens = mask.sum()
+    loss, metrics = get_policy_loss("sapo")(inputs)
+    tau = torch.where(adv >= 0, tau_positive, tau_negative)
+    assert_close(loss, (torch.where(mask, -adv * 2 / tau, 0.0)).sum() / n_tokens)
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, torch.where(mask, -adv, 0.0) / n_tokens)
+    assert metrics["sapo_grad_scale"] == pytest.approx(1.0)
+
+
+def test_sapo_gradient_matches_the_closed_form_off_policy():
+    # random ratios plus one token at log r = +40: clamped to 20 (no gradient through the clamp, and
+    # s = 1 in float32 anyway), so its gradient is 0, not NaN
+    base = random_inputs()
+    old_logprobs = base.old_logprobs.clone()
+    old_logprobs[0, 0] = base.logprobs[0, 0].detach() - 40.0
+    inputs = random_inputs(old_logprobs=old_logprobs)  # default temperatures 1.0 / 1.05
+    loss, _ = get_policy_loss("sapo")(inputs)
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    mask, adv = inputs.response_mask, inputs.advantages
+    ratio = torch.exp((inputs.logprobs.detach() - old_logprobs).clamp(-20, 20))
+    s = torch.sigmoid(torch.where(adv >= 0, 1.0, 1.05) * (ratio - 1))
+    expected = torch.where(mask, -adv * 4 * s * (1 - s) * ratio, 0.0) / mask.sum()
+    assert_close(grad, expected)
+    assert grad[0, 0] == 0 and torch.isfinite(grad).all()
+
+
+def test_sapo_temperatures_apply_to_the_right_advantage_sign():
+    # two one-token rows with the same ratio 1.5: row 0 has A = +1, row 1 has A = -1. Raising
+    # tau_positive must change row 0's gradient only, raising tau_negative row 1's only.
+    def grad(tau_positive, tau_negative):
+        inputs = make_inputs(
+            ratios=[[1.5], [1.5]],
+            advantages=[[1.0], [-1.0]],
+            lengths=[1, 1],
+            tau_positive=tau_positive,
+            tau_negative=tau_negative,
+        )
+        return torch.autograd.grad(get_policy_loss("sapo")(inputs)[0], inputs.logprobs)[0][:, 0]
+
+    def closed_form(advantage, tau):  # -A * 4 s (1 - s) * r / 2 tokens, s = sigmoid(tau * 0.5)
+        s = 1 / (1 + math.exp(-tau * 0.5))
+        return -advantage * 4 * s * (1 - s) * 1.5 / 2
+
+    base, hot_positive, hot_negative = grad(1.0, 1.0), grad(3.0, 1.0), grad(1.0, 3.0)
+    assert_close(base, torch.tensor([closed_form(1.0, 1.0), closed_form(-1.0, 1.0)]))
+    assert_close(hot_positive, torch.tensor([closed_form(1.0, 3.0), closed_form(-1.0, 1.0)]))
+    assert_close(hot_negative, torch.tensor([closed_form(1.0, 1.0), closed_form(-1.0, 3.0)]))
+    # a hotter gate attenuates more off-policy: 4 s (1 - s) drops from 0.94 (tau 1) to 0.60 (tau 3)
+    assert hot_positive[0].abs() < base[0].abs() and hot_negative[1].abs() < base[1].abs()
+
+
+@pytest.mark.parametrize("key", ["tau_positive", "tau_negative"])
+@pytest.mark.parametrize("value", [0.0, -1.0, math.inf, NAN])
+def test_sapo_temperature_must_be_positive_and_finite(key, value):
+    with pytest.raises(ValueError, match=rf"worker\.actor\.{key} must be a finite number > 0"):
+        random_inputs(**{key: value})
+
+
 # ----------------------------------------------------------------------------- plug-ins
 
 PLUGIN = """
@@ -266,4 +381,4 @@ def test_bad_specs_give_clear_errors(tmp_path):
 
 
 def test_registered_names_match_the_documented_list():
-    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo"}
+    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo", "sapo"}

@@ -80,7 +80,6 @@ RULES = [
     (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0.0, 1.0]"),
     (["algorithm.lam=-0.1"], "algorithm.lam", "must be in [0.0, 1.0]"),
     (["algorithm.kl_coef=-0.1"], "algorithm.kl_coef", ">= 0"),
-    (["algorithm.use_kl_loss=true", "algorithm.disable_kl=true"], "algorithm.use_kl_loss", "algorithm.disable_kl is also true"),
     (["algorithm.kl_type=adaptive", "algorithm.use_kl_loss=true"], "algorithm.kl_type", "controller would do nothing"),
     (["algorithm.kl_type=adaptive", "algorithm.kl_target=0"], "algorithm.kl_target", "must be > 0"),
     (["algorithm.online_filtering=true", "algorithm.filter_low=0.9", "algorithm.filter_high=0.1"], "algorithm.filter_low",
@@ -98,7 +97,14 @@ RULES = [
     (["worker.actor.max_grad_norm=0"], "worker.actor.max_grad_norm", "must be > 0"),
     (["worker.actor.ppo_epochs=0"], "worker.actor.ppo_epochs", ">= 1"),
     (["worker.actor.entropy_coeff=.nan"], "worker.actor.entropy_coeff", "finite"),
-    (["worker.actor.loss_type=gpso"], "worker.actor.loss_type", "did you mean 'gspo'? valid: default, gspo, gspo_token, cispo"),
+    (["worker.actor.loss_type=gpso"], "worker.actor.loss_type", "did you mean 'gspo'? valid: default, gspo, gspo_token, cispo, sapo"),
+    (["worker.actor.tau_positive=0"], "worker.actor.tau_positive", "> 0"),
+    (["worker.actor.tau_negative=.inf"], "worker.actor.tau_negative", "finite"),
+    (["worker.hybrid_engine=false"], "worker.hybrid_engine", "always colocates"),
+    (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.target_modules=q_proj,k-proj"],
+     "worker.actor.model.lora.target_modules", "not module names: ['k-proj']"),
+    (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.target_modules=(q"],
+     "worker.actor.model.lora.target_modules", "not a valid regular expression"),
     (["worker.actor.model.model_path=null"], "worker.actor.model.model_path", "is unset"),
     (["worker.actor.model.tokenizer_path=''"], "worker.actor.model.tokenizer_path", "set null"),
     (["worker.actor.model.lora.rank=-1"], "worker.actor.model.lora.rank", ">= 0"),
@@ -107,6 +113,8 @@ RULES = [
      "worker.actor.model.lora.exclude_modules", "not a valid regular expression"),
     (["worker.actor.fsdp.fsdp_size=3"], "worker.actor.fsdp.fsdp_size", "divide the number of devices (2)"),
     ([*GAE, "worker.critic.cliprange_value=0"], "worker.critic.cliprange_value", "> 0"),
+    ([*GAE, "worker.critic.model.lora.rank=4"], "worker.critic.model.lora.rank", "for the actor only"),
+    ([*GAE, "worker.critic.model.tokenizer_path=./tok"], "worker.critic.model.tokenizer_path", "the actor's tokenizer"),
     ([*GAE, "worker.critic.optim.lr=0"], "worker.critic.optim.lr", "> 0"),
     # data
     (["data.train_files="], "data.train_files", "is empty"),
@@ -116,6 +124,7 @@ RULES = [
     (["data.min_pixels=1000", "data.max_pixels=100"], "data.min_pixels", "must be <= data.max_pixels (100)"),
     (["data.max_pixels=0"], "data.max_pixels", ">= 1"),
     (["data.video_fps=0"], "data.video_fps", "> 0"),
+    (["data.video_fps=1.0"], "data.video_fps", "does not read videos yet"),
     # reward
     (["worker.reward.reward_function=null"], "worker.reward.reward_function", "is unset"),
     (["worker.reward.reward_functions=[{reward_function: b.py}]"], "worker.reward.reward_function", "together with"),
@@ -134,6 +143,7 @@ RULES = [
     (["worker.rollout.temperature=0"], "worker.rollout.temperature", "samples of a prompt are identical"),
     (["worker.rollout.top_p=0"], "worker.rollout.top_p", "(0, 1]"),
     (["worker.rollout.top_k=-2"], "worker.rollout.top_k", "-1 (off)"),
+    (["worker.rollout.top_k=0"], "worker.rollout.top_k", "-1 (off)"),
     (["worker.rollout.gpu_memory_utilization=1.5"], "worker.rollout.gpu_memory_utilization", "(0.0, 1.0]"),
     (["worker.rollout.tensor_parallel_size=4"], "worker.rollout.tensor_parallel_size",
      "must divide trainer.n_gpus_per_node (2)"),
@@ -144,6 +154,14 @@ RULES = [
     (["worker.rollout.val_override_config={tensor_parallel_size: 2}"],
      "worker.rollout.val_override_config.tensor_parallel_size",
      "configures the engine"),
+    (["worker.rollout.val_override_config={logprobs: 5}"], "worker.rollout.val_override_config.logprobs",
+     "set by easyvlm itself"),
+    (["worker.rollout.val_override_config={min_p: 0.1}", "worker.rollout.name=hf"],
+     "worker.rollout.val_override_config.min_p", "with worker.rollout.name=hf"),
+    (["worker.rollout.val_override_config={max_tokens: 33}"], "worker.rollout.val_override_config.max_tokens",
+     "[1, data.max_response_length=32]"),
+    (["worker.rollout.val_override_config={bogus: 1}"], "worker.rollout.val_override_config.bogus",
+     "not a field of vLLM's SamplingParams"),
     (["worker.rollout.val_override_config={n: 0}"], "worker.rollout.val_override_config.n", ">= 1"),
     (["worker.rollout.val_override_config={temperature: hot}"], "worker.rollout.val_override_config.temperature",
      "expected a number"),
@@ -192,6 +210,11 @@ ACCEPTED = [
     ["worker.rollout.temperature=0", "worker.rollout.n=1", "algorithm.adv_estimator=remax", "worker.actor.global_batch_size=2",
      "worker.actor.micro_batch_size_per_device_for_update=1"],
     ["worker.rollout.val_override_config={n: 1, temperature: 0, top_p: 0.95, top_k: 20}"],
+    # any vLLM sampling field (EasyR1 passes them on): here min_p, a repetition penalty and stop strings
+    ["worker.rollout.val_override_config={min_p: 0.05, repetition_penalty: 1.1, stop: ['</answer>'], max_tokens: 16}"],
+    ["algorithm.use_kl_loss=true", "algorithm.disable_kl=true"],  # disable_kl wins, with a notice (EasyR1)
+    ["worker.actor.model.lora.rank=8", "worker.actor.model.lora.target_modules=q_proj,k_proj,v_proj,o_proj"],
+    ["worker.actor.loss_type=sapo", "worker.actor.tau_positive=1.0", "worker.actor.tau_negative=1.05"],
     ["algorithm.disable_kl=true", "algorithm.kl_type=adaptive", "algorithm.kl_target=0"],  # KL off: controller unused
     ["worker.critic.micro_batch_size_per_device_for_update=3"],  # no critic without gae
     ["worker.reward.reward_function=null", "worker.reward.reward_functions=[{reward_function: a.py:f, weight: -0.5}]"],
@@ -262,9 +285,40 @@ def test_example_config_is_valid():
 
 
 def test_example_config_files_exist(monkeypatch):
-    # The reward file and format prompt belong to other parts of the repo; check them once they exist.
-    for path in ("reward_functions/synthetic.py", "format_prompts/synthetic.jinja"):
-        if not (REPO / path).exists():
-            pytest.skip(f"{path} not written yet")
     monkeypatch.chdir(REPO)
     assert find_problems(load_config(["config=examples/config.yaml"]), check_files=True) == []
+
+
+def test_disable_kl_over_kl_loss_is_a_notice():
+    from easyvlm.config.validate import notices
+
+    cfg = load_config(BASE + ["algorithm.use_kl_loss=true", "algorithm.disable_kl=true"])
+    assert [line for line in notices(cfg) if "algorithm.use_kl_loss=true has no effect" in line]
+    assert notices(load_config(BASE + ["algorithm.use_kl_loss=true"])) == []
+
+
+def test_val_override_keys_are_vllm_sampling_fields():
+    # config/ cannot import vllm, so it lists SamplingParams' fields itself: check the list against vLLM
+    from vllm import SamplingParams
+
+    from easyvlm.config.validate import ENGINE_OWNED_SAMPLING_KEYS, VLLM_SAMPLING_KEYS
+
+    fields = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") else set(
+        SamplingParams.__annotations__)
+    assert set(VLLM_SAMPLING_KEYS) <= fields, set(VLLM_SAMPLING_KEYS) - fields
+    assert {"logprobs", "detokenize", "extra_args"} <= set(ENGINE_OWNED_SAMPLING_KEYS) & fields
+
+
+def test_a_logger_whose_package_is_missing_is_refused(tmp_path, monkeypatch):
+    # trainer.logger=[...,wandb] on a machine without wandb: refused by the check (exit 2 in the CLI),
+    # not a failure at the first log line after the models have loaded
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reward.py").write_text("def score(x):\n    return x\n")
+    found = {p.key: p.message for p in find_problems(load_config(BASE + ["trainer.logger=[file,wandb]"]), check_files=True)}
+    assert found == {"trainer.logger": "lists 'wandb', but its package is not installed: pip install 'wandb' "
+                                       "(or remove 'wandb' from trainer.logger)"}
+    assert find_problems(load_config(BASE + ["trainer.logger=[file,swanlab,mlflow]"]), check_files=True) == []

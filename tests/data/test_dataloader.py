@@ -77,14 +77,32 @@ def test_create_dataloaders(tmp_path, processor, model_config):
     train = write_jsonl(tmp_path / "train.jsonl", [{"problem": f"t{i}", "answer": str(i)} for i in range(6)])
     val = write_jsonl(tmp_path / "val.jsonl", [{"problem": f"v{i}", "answer": str(i)} for i in range(5)])
     config = data_config(train_files=str(train), val_files=str(val), rollout_batch_size=4, shuffle=False)
-    train_loader, val_loader = create_dataloaders(config, processor.tokenizer, processor, model_config)
+    train_loader, val_loader = create_dataloaders(config, processor.tokenizer, processor, model_config, 4)
     assert answers(train_loader) == [["0", "1", "2", "3"]]  # file order, partial batch dropped
     assert answers(val_loader) == [["0", "1", "2", "3", "4"]]  # val_batch_size -1: all rows at once
     assert [batch["uid"] for batch in val_loader] == [[f"val-{i}" for i in range(5)]]
 
     config = data_config(train_files=str(train), val_files=str(val), rollout_batch_size=4, mini_rollout_batch_size=2, val_batch_size=2)
-    train_loader, val_loader = create_dataloaders(config, processor.tokenizer, processor, model_config)
+    # one batch per generation round of mini_rollout_batch_size prompts (Derived.prompts_per_generation_round)
+    train_loader, val_loader = create_dataloaders(config, processor.tokenizer, processor, model_config, 2)
     assert len(train_loader) == 3 and [len(b) for b in val_loader] == [2, 2, 1]
 
-    _, no_val = create_dataloaders(data_config(train_files=str(train), rollout_batch_size=4), processor.tokenizer, processor, model_config)
+    _, no_val = create_dataloaders(data_config(train_files=str(train), rollout_batch_size=4), processor.tokenizer, processor, model_config, 4)
     assert no_val is None
+
+
+def test_create_dataloaders_shuffle_and_seed(tmp_path, processor, model_config):
+    """data.shuffle and data.seed reach the training loader; the validation loader keeps file order."""
+    train = write_jsonl(tmp_path / "train.jsonl", [{"problem": f"t{i}", "answer": str(i)} for i in range(6)])
+
+    def first_epoch(**overrides):
+        config = data_config(train_files=str(train), rollout_batch_size=6, **overrides)
+        loader, _ = create_dataloaders(config, processor.tokenizer, processor, model_config, 6)
+        return answers(loader)[0]
+
+    # independent reference: the permutation torch draws for (seed, epoch 0)
+    for seed in (1, 5):
+        expected = torch.randperm(6, generator=torch.Generator().manual_seed(seed * 1_000_003)).tolist()
+        assert first_epoch(shuffle=True, seed=seed) == [str(i) for i in expected]
+    assert first_epoch(shuffle=True, seed=1) != first_epoch(shuffle=True, seed=5)
+    assert first_epoch(shuffle=False, seed=5) == [str(i) for i in range(6)]

@@ -203,3 +203,60 @@ def test_text_only_model_refuses_images(tmp_path, processor, image_files):
     # AutoProcessor returns a bare tokenizer for text-only models: accepted as "no processor"
     same = RLDataset(str(path), data_config(on_bad_row="skip"), None, processor.tokenizer, None)[0]
     assert same["raw_prompt_ids"] == sample["raw_prompt_ids"]
+
+
+def test_column_keys_name_the_columns(tmp_path, build, image_files):
+    """data.prompt_key / answer_key / image_key / video_key pick the row's columns; a column of another
+    name is just an extra column."""
+    rows = [{"q": "<image>hi", "a": "7", "pics": ["img/a.png"], "images": ["not read"], "videos": ["not read"]}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    sample = build(path, prompt_key="q", answer_key="a", image_key="pics", video_key="clips")[0]
+    assert sample["prompt_text"] == "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>hi<|im_end|>\n<|im_start|>assistant\n"
+    assert sample["ground_truth"] == "7"
+    assert [im.size for im in sample["images"]] == [image_files["a.png"]]  # from "pics", fitted
+    assert sample["extra"] == {"images": ["not read"], "videos": ["not read"]}
+    # the same row read with the defaults has no "prompt" column
+    message = bad_row_error(build, path, prompt_key="prompt")
+    assert "missing key 'prompt' (data.prompt_key)" in message
+    # video_key names the column that is refused (videos are not supported yet)
+    message = bad_row_error(build, path, prompt_key="q", answer_key="a", image_key="pics", video_key="videos")
+    assert "non-empty 'videos' column" in message
+
+
+def test_pixel_limits_resize_the_rows_images(tmp_path, build):
+    """data.min_pixels / data.max_pixels reach the encoder: stage 1 of the fitting (tests/data/test_images.py)."""
+    make_image(tmp_path / "big.png", 500, 500)
+    make_image(tmp_path / "small.png", 30, 30)
+    rows = [{"problem": "<image>", "answer": "a", "images": [name]} for name in ("big.png", "small.png")]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+
+    def sizes(**limits):
+        ds = build(path, **limits)
+        return [ds[i]["images"][0].size for i in range(len(ds))]
+
+    # the test limits (56x56 .. 224x224 pixels): 500x500 = 250000 > 50176: x sqrt(50176 / 250000) = 0.448 -> 224;
+    # 30x30 = 900 < 3136: x sqrt(3136 / 900) = 1.867 -> 56 (then rounded to multiples of 28: unchanged)
+    assert sizes() == [(224, 224), (56, 56)]
+    # max_pixels 12544 = 112x112: x 0.224 -> 112
+    assert sizes(max_pixels=12544) == [(112, 112), (56, 56)]
+    # min_pixels 12544: 30 x sqrt(12544 / 900) = 30 x 3.733 -> 112
+    assert sizes(min_pixels=12544) == [(224, 224), (112, 112)]
+
+
+def test_scan_threads_follow_filter_overlong_prompts_workers(tmp_path, build, monkeypatch):
+    """The construction scan runs in a pool of data.filter_overlong_prompts_workers threads (1: no pool)."""
+    import easyvlm.data.dataset as dataset_module
+
+    pools = []
+
+    class RecordingPool(dataset_module.ThreadPoolExecutor):
+        def __init__(self, max_workers):
+            pools.append(max_workers)
+            super().__init__(max_workers=max_workers)
+
+    monkeypatch.setattr(dataset_module, "ThreadPoolExecutor", RecordingPool)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"problem": f"q{i}", "answer": "a"} for i in range(4)])
+    assert len(build(path, filter_overlong_prompts_workers=3)) == 4
+    assert pools == [3]
+    build(path, filter_overlong_prompts_workers=1)
+    assert pools == [3]

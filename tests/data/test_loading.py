@@ -120,7 +120,7 @@ def test_hub_dataset_offline_names_it_and_suggests_a_local_path(monkeypatch, tmp
 
 
 def test_builtin_synthetic(easyvlm_cache_dir):
-    from easyvlm.data.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic import materialize_dataset
 
     (source,) = load_sources("builtin:synthetic@val")
     assert source.label == str(materialize_dataset("val"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from data_testing import MAX_PIXELS, MIN_PIXELS, make_image, write_jsonl
+from data_testing import make_image, write_jsonl
 
 from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
 from easyvlm.models.position_ids import to_model_layout
@@ -89,7 +89,7 @@ def test_forward_on_the_batch_equals_each_sample_alone(prompt_batch, hf_model, m
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_vllm_accepts_the_same_ids_and_images(prompt_batch, hf_model, tiny_model_path):
+def test_vllm_accepts_the_same_ids_and_images(prompt_batch, hf_model, tiny_model_path, processor):
     from vllm import LLM, SamplingParams
 
     from easyvlm.data.images import vllm_mm_processor_kwargs
@@ -103,7 +103,7 @@ def test_vllm_accepts_the_same_ids_and_images(prompt_batch, hf_model, tiny_model
         seed=0,
         kv_cache_memory_bytes=64 * 2**20,
         limit_mm_per_prompt={"image": 3},
-        mm_processor_kwargs=vllm_mm_processor_kwargs(MIN_PIXELS, MAX_PIXELS),
+        mm_processor_kwargs=vllm_mm_processor_kwargs(processor),
     )
     requests = []
     for ids, images in zip(prompt_batch["raw_prompt_ids"], prompt_batch["images"]):

@@ -51,7 +51,7 @@ def test_there_are_recipes_for_each_model_data_set_and_algorithm():
 def test_recipe_passes_the_trainers_checks(script, tmp_path, monkeypatch, capsys):
     from easyvlm.config.cli import parse_and_validate
     from easyvlm.config.derived import derive
-    from easyvlm.trainer.main import resolve_paths, reward_function_problems
+    from easyvlm.plan.build import resolve_paths, reward_settings
 
     argv, cwd = recipe_call(script, tmp_path)
     assert argv[:2] == ["-m", "easyvlm.trainer.main"], argv[:2]
@@ -62,7 +62,7 @@ def test_recipe_passes_the_trainers_checks(script, tmp_path, monkeypatch, capsys
     except SystemExit:
         pytest.fail(f"{script.name}: the trainer would refuse this config:\n{capsys.readouterr().err}")
     derive(cfg)
-    assert reward_function_problems(resolve_paths(cfg)) == []
+    reward_settings(resolve_paths(cfg))  # every reward file loads, its function fits (else ConfigError)
 
     # GPU settings
     assert cfg.trainer.n_gpus_per_node == 8 and cfg.trainer.device == "cuda"

@@ -10,7 +10,7 @@ def build_tiny_text_model(out_dir: Path, model_type: str = "qwen2") -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from easyvlm.models.builtin import build_tokenizer
+    from easyvlm.builtin.models import build_tokenizer
 
     tokenizer = build_tokenizer()
     config_cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[model_type]

@@ -15,6 +15,7 @@ from easyvlm.config.schema import RewardConfig, RewardFunctionConfig
 from easyvlm.data.batch import Batch
 from easyvlm.rewards import RewardError
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
+from easyvlm.rewards.manager import RewardSettings
 
 ray = pytest.importorskip("ray")
 
@@ -88,7 +89,7 @@ def test_reward_actor_scores_asynchronously_and_raises_in_the_driver(ray_session
         RewardFunctionConfig("./reward_functions/math.py:compute_score", {}, 1.0),
         RewardFunctionConfig(f"{inverse}:compute_score", {}, 2.0),
     ])
-    actor = create_reward_actor(config)
+    actor = create_reward_actor(RewardSettings.from_config(config), num_cpus=1)
     try:
         right, wrong = "<think>a</think>\\boxed{\\frac{1}{2}}", "<think>a</think>\\boxed{3}"
         assert (len(right), len(wrong)) == (35, 25)
@@ -107,8 +108,14 @@ def test_reward_actor_scores_asynchronously_and_raises_in_the_driver(ray_session
 
 
 def test_bad_spec_fails_in_the_driver_before_any_actor(tmp_path):
-    with pytest.raises(RewardError, match=r"missing\.py:main: plugin file not found"):
-        create_reward_actor(RewardConfig(reward_function=str(tmp_path / "missing.py")))
+    from easyvlm.config.errors import ConfigError
+    from easyvlm.config.schema import PPOConfig, RewardConfig, WorkerConfig
+    from easyvlm.plan.build import reward_settings
+
+    cfg = PPOConfig(worker=WorkerConfig(reward=RewardConfig(reward_function=str(tmp_path / "missing.py"))))
+    with pytest.raises(ConfigError, match=r"missing\.py:main: plugin file not found") as info:
+        reward_settings(cfg)  # the plan builder's check, in the driver before Ray starts
+    assert info.value.problems[0].key == "worker.reward"
 
 
 def test_build_reward_inputs(tiny_model_path):

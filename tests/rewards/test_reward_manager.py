@@ -365,14 +365,8 @@ def test_settings_from_the_real_config(tmp_path, monkeypatch, toy):
         RewardSettings.from_config(RewardConfig())
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"on_error": "ignore"}, r"worker\.reward\.on_error is 'ignore'; use one of \['raise', 'zero'\]"),
-        ({"timeout": 0}, r"worker\.reward\.timeout must be positive seconds"),
-        ({"num_workers": 0}, r"worker\.reward\.num_workers must be at least 1, got 0"),
-    ],
-)
-def test_settings_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize("kwargs", [{"on_error": "ignore"}, {"timeout": 0}, {"num_workers": 0}])
+def test_settings_assert_what_the_config_check_refuses(kwargs):
+    # the user-facing messages are the config check's (tests/config/test_validate.py: worker.reward.*)
+    with pytest.raises(AssertionError):
         RewardSettings((RewardFunctionSpec("/x.py:f"),), **kwargs)

@@ -4,6 +4,7 @@ transformers alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -11,6 +12,29 @@ from PIL import Image
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.position_ids import get_position_ids
+from easyvlm.rollout.base import RolloutEngine, Sampling
+
+# The rollout tests' run: the tiny model's plan (tests/plan_testing.py) with these rollout settings.
+# n = 2 (grpo needs at least 2 samples per prompt), seed 3, prompts of at most 128 tokens.
+ROLLOUT_OVERRIDES = (
+    "worker.rollout.n=2",
+    "worker.rollout.temperature=1.0",
+    "worker.rollout.seed=3",
+    "data.max_prompt_length=128",
+)
+
+
+def rollout_plan(model_path: str, response_length: int, *overrides: str) -> Any:
+    """The `RunPlan` of the tiny test run with :data:`ROLLOUT_OVERRIDES`, ``response_length``
+    (data.max_response_length) and ``overrides``, made by the real plan builder."""
+    from plan_testing import plan_for
+
+    return plan_for(model_path, *ROLLOUT_OVERRIDES, f"data.max_response_length={response_length}", *overrides)
+
+
+def with_sampling(engine: RolloutEngine, **changes: Any) -> Sampling:
+    """The engine's sampling with ``changes`` (fields of `Sampling`), for one generate() call."""
+    return dataclasses.replace(engine.sampling, **changes)
 
 
 def make_prompt_batch(processor: Any, model_config: Any, prompts: Sequence[tuple[str, Sequence[Image.Image]]]) -> Batch:
@@ -92,7 +116,6 @@ PROMPTS = [
     ("Count the objects in both images.", [(1, (56, 56)), (2, (84, 56))]),
     ("Say hi.", []),
 ]
-
 
 
 def default_prompts(processor: Any, model_config: Any) -> Batch:

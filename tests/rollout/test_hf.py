@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import default_prompts, eos_inside, recompute_logprobs
-from transformers import AutoModelForImageTextToText, AutoTokenizer
+from rollout_helpers import default_prompts, eos_inside, recompute_logprobs, rollout_plan, with_sampling
+from transformers import AutoModelForImageTextToText
 
-from easyvlm.config.schema import RolloutConfig
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.rollout.hf import mm_token_type_ids
@@ -16,10 +15,14 @@ T = 12  # response length
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    config = RolloutConfig(name="hf", n=2, temperature=1.0, seed=3, max_num_seqs=8)
-    return build_rollout(config, tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T)
+def spec(tiny_model_path):
+    """The plan's rollout slice: transformers' generate, n=2, temperature 1, seed 3, 8 rows per call."""
+    return rollout_plan(tiny_model_path, T, "worker.rollout.name=hf", "worker.rollout.max_num_seqs=8").rollout
+
+
+@pytest.fixture(scope="module")
+def engine(spec):
+    return build_rollout(spec)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def greedy_reference(model, prompts, blocked, steps):
 
 
 def test_greedy_matches_hand_decoding(engine, model, prompts):
-    out = engine.generate(prompts, n=1, temperature=0)
+    out = engine.generate(prompts, with_sampling(engine, n=1, temperature=0.0))
     tokens, logprobs = greedy_reference(model, prompts, engine.blocked_token_ids, T)
     # the random tiny model never samples EOS in 12 steps here, so every row is full length
     assert out["response_mask"].all()
@@ -56,14 +59,14 @@ def test_greedy_matches_hand_decoding(engine, model, prompts):
 
 
 def test_sampled_logprobs_are_the_temperature_scaled_policy(engine, model, prompts):
-    out = engine.generate(prompts, temperature=0.7)
+    out = engine.generate(prompts, with_sampling(engine, temperature=0.7))
     expected = recompute_logprobs(model, out, 0.7, engine.blocked_token_ids)
     mask = out["response_mask"]
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
 
 
 def test_position_ids_equal_transformers_over_the_whole_sequence(engine, model, prompts):
-    out = engine.generate(prompts, n=1)
+    out = engine.generate(prompts, with_sampling(engine, n=1))
     mm = concat_multi_modal_inputs(out["multi_modal_inputs"])
     ids, mask = out["input_ids"], out["attention_mask"]
     types = mm_token_type_ids(ids, model.config)
@@ -78,7 +81,8 @@ def hot(engine, tiny_processor_and_config):
     """At temperature 100 the tiny model is ~uniform over its 264 ids: 3 x 24 x 12 = 864 tokens would
     hold ~16 of the 5 blocked ids if they were not blocked (P(none) ~ e^-16), and ~6 rows an EOS
     (2 ids) before their last token. The engine's RNG stream is seeded, so the draw is fixed."""
-    return engine.generate(default_prompts(*tiny_processor_and_config), n=24, temperature=100.0, ignore_eos=True)
+    sampling = with_sampling(engine, n=24, temperature=100.0, ignore_eos=True)
+    return engine.generate(default_prompts(*tiny_processor_and_config), sampling)
 
 
 def test_blocked_tokens_never_sampled_at_high_temperature(engine, hot):
@@ -90,18 +94,30 @@ def test_ignore_eos_samples_past_eos(engine, hot):
     assert (~hot["response_mask"]).any()  # the mask still ends at the first EOS
 
 
-def test_seeded_stream_is_private_and_reproducible(tiny_model_path, engine, prompts):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    config = RolloutConfig(name="hf", n=2, temperature=1.0, seed=3, max_num_seqs=8)
-    twin = build_rollout(config, tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T)
+def test_seeded_stream_is_private_and_reproducible(spec, prompts):
+    twin = build_rollout(spec)
+    short = with_sampling(twin, max_tokens=4)
     rng = torch.random.get_rng_state()
-    first = twin.generate(prompts, max_tokens=4)["responses"]
+    first = twin.generate(prompts, short)["responses"]
     assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's RNG is untouched
-    second = twin.generate(prompts, max_tokens=4)["responses"]
+    second = twin.generate(prompts, short)["responses"]
     assert not torch.equal(first, second)  # the stream moves on
     twin.model = None  # free it before building the next one
-    fresh = build_rollout(config, tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T)
-    torch.testing.assert_close(fresh.generate(prompts, max_tokens=4)["responses"], first)
+    fresh = build_rollout(spec)
+    torch.testing.assert_close(fresh.generate(prompts, short)["responses"], first)
+
+
+def test_rollout_seed_seeds_the_engine_stream(spec, prompts, tiny_model_path):
+    # worker.rollout.seed: the engine's own stream (the module's spec has seed 3); the same seed repeats
+    # the same samples (test_seeded_stream_is_private_and_reproducible), another one changes them
+    other = rollout_plan(tiny_model_path, T, "worker.rollout.name=hf", "worker.rollout.max_num_seqs=8", "worker.rollout.seed=4").rollout
+    assert other.engine.seed == 4 and spec.engine.seed == 3
+    outputs = []
+    for s in (spec, other):
+        engine = build_rollout(s)
+        outputs.append(engine.generate(prompts, with_sampling(engine, max_tokens=4))["responses"])
+        engine.model = None
+    assert not torch.equal(outputs[0], outputs[1])
 
 
 def test_seeded_calls_repeat_per_step(engine, prompts):
@@ -112,12 +128,13 @@ def test_seeded_calls_repeat_per_step(engine, prompts):
         batch[SEED_KEY] = prompt_seeds(1, (0, step, 0), len(batch))
         return batch
 
+    short = with_sampling(engine, max_tokens=4)
     rng = torch.random.get_rng_state()
-    first = engine.generate(seeded(3), max_tokens=4)["responses"]
+    first = engine.generate(seeded(3), short)["responses"]
     assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's RNG is untouched
-    engine.generate(prompts, max_tokens=4)  # moves the engine's own stream
-    torch.testing.assert_close(engine.generate(seeded(3), max_tokens=4)["responses"], first)
-    assert not torch.equal(engine.generate(seeded(4), max_tokens=4)["responses"], first)
+    engine.generate(prompts, short)  # moves the engine's own stream
+    torch.testing.assert_close(engine.generate(seeded(3), short)["responses"], first)
+    assert not torch.equal(engine.generate(seeded(4), short)["responses"], first)
 
 
 def test_update_weights(engine, model, prompts, tiny_model_path):
@@ -129,7 +146,7 @@ def test_update_weights(engine, model, prompts, tiny_model_path):
     with pytest.raises(KeyError, match="not parameters of the rollout model"):
         engine.update_weights([("model.language_model.bogus.weight", torch.zeros(1))])
     engine.update_weights(perturbed.state_dict().items())
-    out = engine.generate(prompts, temperature=1.0)
+    out = engine.generate(prompts)  # the plan's sampling: temperature 1
     mask = out["response_mask"]
     expected = recompute_logprobs(perturbed, out, 1.0, engine.blocked_token_ids)
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])

@@ -1,14 +1,15 @@
-"""RolloutEngine.generate: overrides, repeat order and output composition (with the fake engine)."""
+"""RolloutEngine.generate: per-call sampling, repeat order and output composition (with the fake
+engine); the plan's training and validation `Sampling`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from easyvlm.config.schema import RolloutConfig
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import Sampling, SamplingOverrides
-from easyvlm.rollout.factory import sampling_from_config
+from easyvlm.rollout.base import Sampling, sampling_with_overrides
 from easyvlm.rollout.fake import FakeRolloutEngine
 
 PAD, EOS = 0, 9
@@ -51,44 +52,62 @@ def test_generate_repeats_each_prompt_n_times_interleaved():
     torch.testing.assert_close(out["position_ids"][0], torch.tensor([0, 0, 1, 2, 3, 4, 5]))
 
 
-def test_overrides_apply_per_call_only():
+def test_call_sampling_applies_to_that_call_only():
     engine = echo_engine()
-    out = engine.generate(prompt_batch(), n=1, temperature=0, ignore_eos=True)
+    out = engine.generate(prompt_batch(), dataclasses.replace(engine.sampling, n=1, temperature=0.0, ignore_eos=True))
     # n=1; ignore_eos keeps the token after EOS; the mask still stops at EOS
     torch.testing.assert_close(out["responses"], torch.tensor([[3, 10, EOS, 5], [2, 10, EOS, 5]]))
     torch.testing.assert_close(out["response_mask"], torch.tensor([[True, True, True, False]] * 2))
-    out = engine.generate(prompt_batch(), max_tokens=2)
+    out = engine.generate(prompt_batch(), dataclasses.replace(engine.sampling, max_tokens=2))
     expected = torch.tensor([[3, 10, PAD, PAD], [3, 11, PAD, PAD], [2, 10, PAD, PAD], [2, 11, PAD, PAD]])
     torch.testing.assert_close(out["responses"], expected)
     assert len(engine.generate(prompt_batch())) == 4  # the configured n=2 is back
 
 
-def test_unknown_override_is_an_error():
-    with pytest.raises(ValueError, match=r"unknown sampling override\(s\) \['temprature'\]"):
-        echo_engine().generate(prompt_batch(), temprature=0)
-
-
+# Users' values are judged by the config check (tests/config/test_validate.py: worker.rollout.n,
+# temperature, top_p, top_k and val_override_config.{n, temperature, top_p, max_tokens, <unknown key>});
+# generate() only asserts the invariants the engines rely on, whoever built the Sampling.
 @pytest.mark.parametrize(
-    "override, message",
-    [
-        (dict(n=0), "n=0 must be >= 1"),
-        (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
-        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
-        (dict(top_k=0), "top_k=0 must be -1"),
-        (dict(max_tokens=5), r"max_tokens=5 must be in \[1, data.max_response_length=4\]"),
-    ],
+    "change",
+    [dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0),
+     dict(max_tokens=5)],  # 5 > the engine's response length 4
 )
-def test_invalid_sampling_names_the_field(override, message):
-    with pytest.raises(ValueError, match=message):
-        echo_engine().generate(prompt_batch(), **override)
+def test_generate_refuses_an_invalid_sampling(change):
+    engine = echo_engine()
+    with pytest.raises(AssertionError):
+        engine.generate(prompt_batch(), dataclasses.replace(engine.sampling, **change))
 
 
-def test_sampling_from_config_and_val_overrides():
-    config = RolloutConfig(n=5, temperature=0.8, top_p=0.9, top_k=20, val_override_config={"n": 1, "temperature": 0})
-    sampling = sampling_from_config(config, response_length=64)
-    assert sampling == Sampling(n=5, temperature=0.8, top_p=0.9, top_k=20, max_tokens=64, ignore_eos=False)
-    val = sampling.override(SamplingOverrides.from_mapping(config.val_override_config), response_length=64)
-    assert val == Sampling(n=1, temperature=0, top_p=0.9, top_k=20, max_tokens=64, ignore_eos=False) and val.greedy
+def test_sampling_with_overrides_by_hand():
+    base = Sampling(n=8, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, ignore_eos=False, extra=(("min_p", 0.1),))
+    val = sampling_with_overrides(base, {"n": 1, "temperature": 0, "stop_token_ids": [7], "min_p": 0.2, "max_tokens": 4})
+    # Sampling fields replace theirs; other keys join extra, sorted by name, min_p's new value wins
+    assert val == Sampling(n=1, temperature=0, top_p=1.0, top_k=-1, max_tokens=4, ignore_eos=False,
+                           extra=(("min_p", 0.2), ("stop_token_ids", [7])))
+    assert val.greedy and not base.greedy
+    assert sampling_with_overrides(base, {}) == base
+
+
+def test_the_plan_has_training_and_validation_sampling(tiny_model_path):
+    """The driver makes both from worker.rollout.* (max tokens = data.max_response_length) and
+    worker.rollout.val_override_config; vLLM SamplingParams fields go to ``extra``."""
+    from plan_testing import plan_for
+
+    plan = plan_for(
+        tiny_model_path,
+        "worker.rollout.name=vllm",  # the hf engine refuses vLLM-only validation keys such as min_p
+        "worker.rollout.n=5",
+        "worker.rollout.temperature=0.8",
+        "worker.rollout.top_p=0.9",
+        "worker.rollout.top_k=20",
+        "data.max_response_length=64",
+        "worker.rollout.val_override_config={n: 1, temperature: 0, min_p: 0.05, stop_token_ids: [3]}",
+    )
+    sampling = Sampling(n=5, temperature=0.8, top_p=0.9, top_k=20, max_tokens=64, ignore_eos=False)
+    assert plan.rollout.sampling == sampling and plan.rollout.response_length == 64
+    val = plan.rollout.val_sampling
+    assert val == dataclasses.replace(sampling, n=1, temperature=0, extra=(("min_p", 0.05), ("stop_token_ids", [3])))
+    assert val.greedy
 
 
 def test_generate_requires_prompt_keys():

@@ -3,6 +3,8 @@ to the engine (one per row, sample j of prompt i at row i*n+j)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -46,5 +48,5 @@ def test_generate_gives_each_sample_its_own_seed():
     engine.generate(batch)
     # rows: prompt 0 sample 0, prompt 0 sample 1, prompt 1 sample 0, prompt 1 sample 1
     assert engine.seeds == [request_seed(11, 0), request_seed(11, 1), request_seed(22, 0), request_seed(22, 1)]
-    engine.generate(batch, temperature=0)
+    engine.generate(batch, dataclasses.replace(sampling, temperature=0.0))
     assert engine.seeds is None  # greedy: nothing to seed

@@ -42,6 +42,22 @@ def test_a_tokenizer_of_another_model_is_refused(tokenizer_and_config, tmp_path)
         blocked_token_ids(empty, config)
 
 
+def test_the_plan_names_the_key_of_a_tokenizer_that_does_not_fit(tiny_model_path, tmp_path):
+    """Where a user meets the check above: the driver builds the plan (every role's ids) before Ray
+    starts, and reports the tokenizer that does not fit the model as a config error of its key."""
+    from plan_testing import plan_for
+
+    from easyvlm.config.errors import ConfigError
+
+    AutoConfig.from_pretrained(tiny_model_path).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tmp_path).save_pretrained(tmp_path)  # transformers 5: an empty tokenizer
+    with pytest.raises(ConfigError) as err:
+        plan_for(tiny_model_path, "worker.rollout.n=2", f"worker.actor.model.tokenizer_path={tmp_path}")
+    [problem] = err.value.problems
+    assert problem.key == "worker.actor.model.tokenizer_path"
+    assert "tokenizer has 1 tokens but the model's LM head has 264 rows: it is not this model's tokenizer" in problem.message
+
+
 def test_eos_needs_some_source():
     class NoEos:
         eos_token_id = None

@@ -9,19 +9,24 @@ import dataclasses
 
 import pytest
 import torch
-from rollout_helpers import default_prompts, eos_inside, recompute_logprobs, response_logits
+from rollout_helpers import default_prompts, eos_inside, recompute_logprobs, response_logits, rollout_plan, with_sampling
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
-from easyvlm.config.schema import DataConfig, RolloutConfig
-from easyvlm.data.images import vllm_mm_processor_kwargs
+from easyvlm.config.schema import DataConfig
+from easyvlm.rollout.base import sampling_with_overrides
 from easyvlm.rollout.factory import build_rollout
 
 T = 12  # response length
-CONFIG = RolloutConfig(
-    name="vllm", n=2, temperature=1.0, seed=3, max_num_seqs=32, disable_tqdm=True, gpu_memory_utilization=0.1
+# A model config override that changes nothing at inference (the weights' init scale; the file has
+# 0.02), so the module's engine shows that worker.actor.model.override_config reaches vLLM.
+INIT_RANGE = 0.05
+VLLM_OVERRIDES = (
+    "worker.rollout.name=vllm",
+    "worker.rollout.max_num_seqs=32",
+    "worker.rollout.disable_tqdm=true",
+    "worker.rollout.gpu_memory_utilization=0.1",
+    f"worker.actor.model.override_config={{text_config: {{initializer_range: {INIT_RANGE}}}}}",
 )
-# The data pipeline's pixel limits for the module's engine: 1 to 64 merged image tokens per image.
-MIN_PIXELS, MAX_PIXELS = 28 * 28, 28 * 28 * 64
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +35,14 @@ def tokenizer(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path, tokenizer):
-    mm_kwargs = vllm_mm_processor_kwargs(MIN_PIXELS, MAX_PIXELS)
-    return build_rollout(CONFIG, tiny_model_path, tokenizer, 128, T, mm_processor_kwargs=mm_kwargs)
+def plan(tiny_model_path):
+    """The run plan of the module's engine: vLLM, n=2, temperature 1, seed 3 (rollout_helpers)."""
+    return rollout_plan(tiny_model_path, T, *VLLM_OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def engine(plan):
+    return build_rollout(plan.rollout)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +51,12 @@ def model(tiny_model_path):
 
 
 @pytest.mark.slow
-def test_greedy_matches_the_transformers_engine(engine, tiny_model_path, tokenizer, model, prompts):
-    hf_engine = build_rollout(
-        dataclasses.replace(CONFIG, name="hf"), tiny_model_path, tokenizer, max_prompt_length=128, max_response_length=T
-    )
-    expected = hf_engine.generate(prompts, n=1, temperature=0)
-    out = engine.generate(prompts, n=1, temperature=0)
+def test_greedy_matches_the_transformers_engine(engine, plan, model, prompts):
+    spec = plan.rollout
+    hf_engine = build_rollout(dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, name="hf")))
+    greedy = with_sampling(engine, n=1, temperature=0.0)
+    expected = hf_engine.generate(prompts, greedy)
+    out = engine.generate(prompts, greedy)
     # Greedy paths can only be compared where the argmax is clear: check the top-2 logit gap
     # along the path (a random tiny model could have near-ties; this one's smallest gap is ~1e-3).
     gap = top2_gap(model, expected, engine.blocked_token_ids)
@@ -67,7 +77,7 @@ def top2_gap(model, rollout, blocked):
 
 @pytest.mark.slow
 def test_greedy_n_samples_are_identical_and_interleaved(engine, prompts):
-    out = engine.generate(prompts, n=2, temperature=0)
+    out = engine.generate(prompts, with_sampling(engine, n=2, temperature=0.0))
     assert out["uid"] == ["p0", "p0", "p1", "p1", "p2", "p2"]
     torch.testing.assert_close(out["responses"][0::2], out["responses"][1::2])
     torch.testing.assert_close(out["prompts"][0::2], prompts["input_ids"])
@@ -76,7 +86,8 @@ def test_greedy_n_samples_are_identical_and_interleaved(engine, prompts):
 @pytest.fixture(scope="module")
 def hot(engine, tiny_processor_and_config):
     """3 x 32 x 12 = 1152 tokens at temperature 2 (vLLM's highest), sampled past EOS."""
-    return engine.generate(default_prompts(*tiny_processor_and_config), n=32, temperature=2.0, ignore_eos=True)
+    sampling = with_sampling(engine, n=32, temperature=2.0, ignore_eos=True)
+    return engine.generate(default_prompts(*tiny_processor_and_config), sampling)
 
 
 @pytest.mark.slow
@@ -106,25 +117,31 @@ def test_expanded_raw_prompt_ids_are_rejected(engine, prompts):
     expanded = [row[mask].tolist() for row, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
     prompts["raw_prompt_ids"] = expanded
     with pytest.raises(ValueError, match="one vision placeholder per image"):
-        engine.generate(prompts, n=1, max_tokens=1)
+        engine.generate(prompts, with_sampling(engine, n=1, max_tokens=1))
 
 
 @pytest.mark.slow
-def test_prompts_from_the_data_pipeline(engine, model, tiny_processor_and_config, synthetic_train_file):
-    """A Batch from RLDataset + collate_prompts: 28x28 px images (1 image token), smaller than the
-    processor's own min_pixels, so vLLM keeps them only thanks to mm_processor_kwargs."""
+def test_prompts_from_the_data_pipeline(engine, plan, model, tiny_processor_and_config, synthetic_train_file):
+    """A Batch from RLDataset + collate_prompts. The pipeline sizes images in EasyR1's two stages
+    (data.min/max_pixels, then the processor's own limits: easyvlm.data.images), so each image is a
+    fixed point of smart_resize with the limits the engine got (mm_processor_kwargs): vLLM expands
+    each placeholder to the tokens the data counted (generate raises otherwise)."""
     from easyvlm.data.collate import collate_prompts
     from easyvlm.data.dataset import RLDataset
+    from easyvlm.data.images import smart_resize
 
     processor, model_config = tiny_processor_and_config
-    data = DataConfig(
-        train_files=synthetic_train_file, prompt_key="problem", min_pixels=MIN_PIXELS, max_pixels=2 * MIN_PIXELS
-    )
+    # stage 1 shrinks the 56x56 px images to at most 2 x 28 x 28 px, stage 2 scales them back up
+    data = DataConfig(train_files=synthetic_train_file, prompt_key="problem", min_pixels=28 * 28, max_pixels=2 * 28 * 28)
     dataset = RLDataset(synthetic_train_file, data, processor.tokenizer, processor, model_config)
     batch = collate_prompts([dataset[i] for i in range(4)], dataset.pad_token_id)
-    processor_min_pixels = processor.image_processor.size["shortest_edge"]  # transformers 5's name for min_pixels
-    assert min(image.width * image.height for images in batch["images"] for image in images) < processor_min_pixels
-    out = engine.generate(batch, temperature=1.0)  # raises if vLLM's expanded prompt differs from input_ids
+    limits = plan.rollout.engine.mm_processor_kwargs["size"]
+    images = [image for images in batch["images"] for image in images]
+    assert len(images) == 4
+    for image in images:
+        fixed = smart_resize(image.height, image.width, 28, limits["shortest_edge"], limits["longest_edge"])
+        assert fixed == (image.height, image.width)
+    out = engine.generate(batch)  # the plan's temperature 1; raises if vLLM's expanded prompt differs from input_ids
     mask = out["response_mask"]
     expected = recompute_logprobs(model, out, 1.0, engine.blocked_token_ids)
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
@@ -141,21 +158,22 @@ def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tin
             p.add_(torch.randn_like(p) * 0.05)
     temperature = 0.7
 
-    stale = engine.generate(prompts, temperature=temperature)
+    sampling = with_sampling(engine, temperature=temperature)
+    stale = engine.generate(prompts, sampling)
     mask = stale["response_mask"]
     stale_expected = recompute_logprobs(actor, stale, temperature, engine.blocked_token_ids)
     stale_error = (stale["rollout_logprobs"] - stale_expected)[mask]
     assert stale_error.abs().max() > 0.1  # without the sync the check fails
 
     engine.update_weights(actor.state_dict().items())
-    out = engine.generate(prompts, temperature=temperature)
+    out = engine.generate(prompts, sampling)
     mask = out["response_mask"]
     expected = recompute_logprobs(actor, out, temperature, engine.blocked_token_ids)
     # measured: ~2e-6 (float32); the issue asks for 1e-3
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask], atol=1e-3, rtol=0)
 
     engine.update_weights(model.state_dict().items())  # restore the original weights
-    restored = engine.generate(prompts, n=1, temperature=0)
+    restored = engine.generate(prompts, with_sampling(engine, n=1, temperature=0.0))
     expected = recompute_logprobs(model, restored, 0, engine.blocked_token_ids)
     torch.testing.assert_close(restored["rollout_logprobs"], expected)
 
@@ -176,18 +194,68 @@ def test_cpu_kv_cache_bytes(tiny_model_path):
 def test_cpu_engine_settings(tiny_model_path):
     from easyvlm.rollout.vllm import vllm_engine_kwargs
 
-    config = AutoConfig.from_pretrained(tiny_model_path)
-    rollout = dataclasses.replace(CONFIG, dtype="bf16", enforce_eager=False)
-    kwargs = vllm_engine_kwargs(rollout, tiny_model_path, config, 140, "cpu")
+    plan = rollout_plan(tiny_model_path, T, *VLLM_OVERRIDES, "worker.rollout.dtype=bf16", "worker.rollout.enforce_eager=false")
+    kwargs = vllm_engine_kwargs(plan.rollout.engine)
     assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
     assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        vllm_engine_kwargs(dataclasses.replace(CONFIG, tensor_parallel_size=2), tiny_model_path, config, 140, "cpu")
+    # the context: data.max_prompt_length + data.max_response_length (worker.rollout.max_model_len unset)
+    assert kwargs["max_model_len"] == 128 + T and kwargs["model"] == plan.bundle.policy.model_dir
+    assert kwargs["hf_overrides"] == {"text_config": {"initializer_range": INIT_RANGE}}
+    # vLLM resizes images with the processor's own limits, as the data pipeline does: the tiny model's
+    # preprocessor config has 56x56 = 3136 to 224x224 = 50176 pixels (4 to 64 merged image tokens)
+    assert kwargs["mm_processor_kwargs"] == {"size": {"shortest_edge": 3136, "longest_edge": 50176}}
+    # Too short a worker.rollout.max_model_len is a config error (tests/config/test_validate.py).
 
 
-def test_max_model_len_too_short(tiny_model_path, tokenizer):
-    with pytest.raises(ValueError, match="max_model_len=100 is shorter"):
-        build_rollout(dataclasses.replace(CONFIG, max_model_len=100), tiny_model_path, tokenizer, 128, T)
+def test_gpu_engine_settings(tiny_model_path):
+    """On GPUs every engine key of worker.rollout reaches vllm.LLM as written (nothing here needs CUDA:
+    only the keyword arguments are made)."""
+    from plan_testing import plan_for
+
+    from easyvlm.rollout.vllm import vllm_engine_kwargs
+
+    plan = plan_for(
+        tiny_model_path, *VLLM_OVERRIDES, "trainer.n_gpus_per_node=2", "worker.rollout.tensor_parallel_size=2",
+        "worker.rollout.dtype=float16", "worker.rollout.enforce_eager=true", "worker.rollout.seed=11",
+        "worker.rollout.max_model_len=300", "worker.rollout.max_num_batched_tokens=4096", "worker.rollout.enable_chunked_prefill=true",
+        "worker.rollout.disable_log_stats=false", "worker.rollout.limit_images=2", device="cuda",
+    )
+    kwargs = vllm_engine_kwargs(plan.rollout.engine)
+    assert (kwargs["dtype"], kwargs["enforce_eager"], kwargs["tensor_parallel_size"], kwargs["seed"]) == ("float16", True, 2, 11)
+    assert (kwargs["max_model_len"], kwargs["max_num_batched_tokens"], kwargs["max_num_seqs"]) == (300, 4096, 32)
+    assert (kwargs["enable_chunked_prefill"], kwargs["disable_log_stats"]) == (True, False)
+    assert kwargs["limit_mm_per_prompt"] == {"image": 2}
+    # the GPU memory share goes to vLLM itself (the CPU turns it into a KV-cache size: test_cpu_kv_cache_bytes)
+    assert kwargs["gpu_memory_utilization"] == 0.1 and kwargs["enable_sleep_mode"] is True
+    assert "kv_cache_memory_bytes" not in kwargs
+    # the defaults: bf16, CUDA graphs, no image limit, statistics off
+    default = vllm_engine_kwargs(plan_for(tiny_model_path, "worker.rollout.name=vllm", device="cuda").rollout.engine)
+    assert (default["dtype"], default["enforce_eager"], default["disable_log_stats"]) == ("bfloat16", False, True)
+    assert "limit_mm_per_prompt" not in default and default["gpu_memory_utilization"] == 0.6
+
+
+def test_disable_tqdm_hides_the_progress_bar(engine, prompts, monkeypatch):
+    # the module's engine is built with worker.rollout.disable_tqdm=true (VLLM_OVERRIDES)
+    seen = []
+    generate = engine.llm.generate
+
+    def spy(*args, use_tqdm=True, **kwargs):
+        seen.append(use_tqdm)
+        return generate(*args, use_tqdm=use_tqdm, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
+    engine.generate(prompts.index([2]), with_sampling(engine, n=1, max_tokens=2))
+    assert seen == [False]
+
+
+def test_the_plan_refuses_tensor_parallelism_on_the_cpu(tiny_model_path):
+    """vllm_engine_kwargs only asserts one rank on the CPU: the plan builder refuses the setting."""
+    from easyvlm.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        rollout_plan(tiny_model_path, T, *VLLM_OVERRIDES, "worker.rollout.tensor_parallel_size=2", "trainer.n_gpus_per_node=2")
+    [problem] = err.value.problems
+    assert problem.key == "worker.rollout.tensor_parallel_size" and "on the CPU" in problem.message
 
 
 
@@ -206,19 +274,20 @@ def with_seeds(prompts, step: int):
 @pytest.mark.slow
 def test_seeded_sampling_repeats_per_step(engine, prompts):
     step3 = with_seeds(prompts, step=3)
-    first = engine.generate(step3, n=4)
-    engine.generate(prompts, n=4)  # an unseeded call in between moves the engine's own RNG stream
-    again = engine.generate(step3, n=4)
+    four = with_sampling(engine, n=4)
+    first = engine.generate(step3, four)
+    engine.generate(prompts, four)  # an unseeded call in between moves the engine's own RNG stream
+    again = engine.generate(step3, four)
     torch.testing.assert_close(again["responses"], first["responses"])
     torch.testing.assert_close(again["rollout_logprobs"], first["rollout_logprobs"])
     # 12 tokens per row from ~260 allowed ids at temperature 1: different seeds never collide
-    other = engine.generate(with_seeds(prompts, step=4), n=4)
+    other = engine.generate(with_seeds(prompts, step=4), four)
     assert not torch.equal(other["responses"], first["responses"])
     # the 4 samples of a prompt differ from each other (seeds per sample, not per prompt)
     rows = first["responses"].tolist()
     assert len({tuple(r) for r in rows}) == len(rows)
     # the control: without seeds the same call samples differently (the check above can fail)
-    unseeded = [engine.generate(prompts, n=4)["responses"] for _ in range(2)]
+    unseeded = [engine.generate(prompts, four)["responses"] for _ in range(2)]
     assert not torch.equal(unseeded[0], unseeded[1])
 
 
@@ -226,8 +295,8 @@ def test_seeded_sampling_repeats_per_step(engine, prompts):
 def test_seeded_sample_does_not_depend_on_the_rest_of_the_batch(engine, prompts):
     """What a resumed run on another number of ranks sees: the same prompt with the same seed,
     in a different batch, samples the same tokens."""
-    full = engine.generate(with_seeds(prompts, step=5), n=2)
-    alone = engine.generate(with_seeds(prompts, step=5).index([1]), n=2)
+    full = engine.generate(with_seeds(prompts, step=5))  # the plan's n = 2
+    alone = engine.generate(with_seeds(prompts, step=5).index([1]))
     torch.testing.assert_close(alone["responses"], full["responses"][2:4])
     torch.testing.assert_close(alone["rollout_logprobs"], full["rollout_logprobs"][2:4])
 
@@ -236,7 +305,7 @@ def test_seeded_sampling_refuses_chunked_prefill_on_the_cpu(engine, prompts):
     engine.chunked_prefill = True  # as if built with worker.rollout.enable_chunked_prefill=true
     try:
         with pytest.raises(ValueError, match="enable_chunked_prefill=false"):
-            engine.generate(with_seeds(prompts, step=1), n=1)
+            engine.generate(with_seeds(prompts, step=1), with_sampling(engine, n=1))
     finally:
         engine.chunked_prefill = False
 
@@ -247,21 +316,69 @@ def test_seeded_sampling_refuses_chunked_prefill_on_the_cpu(engine, prompts):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_actor_logprobs_equal_vllm_logprobs(engine, model, prompts, temperature):
+def test_actor_logprobs_equal_vllm_logprobs(engine, plan, model, prompts, temperature):
     """policy_logprobs (what the actor and the reference model compute) on vLLM's own samples
     equals vLLM's rollout_logprobs: both are softmax(logits / temperature) without the blocked ids
     (vision placeholders, which the random tiny model gives real probability)."""
     from easyvlm.workers.forward import dummy_image_for, policy_logprobs
 
-    out = engine.generate(prompts, n=4, temperature=temperature)
+    out = engine.generate(prompts, with_sampling(engine, n=4, temperature=temperature))
     mask = out["response_mask"]
+    # the actor's blocked ids and the engine's come from the plan's one TokenIds
+    blocked = plan.actor.forward.blocked_token_ids
+    assert blocked == tuple(engine.blocked_token_ids) == plan.rollout.tokens.blocked and len(blocked) == 5
     kwargs = dict(temperature=temperature, with_entropy=False, padding_free=False, device=torch.device("cpu"),
                   dummy_image=dummy_image_for(model.config))
     with torch.no_grad():
-        actor, _ = policy_logprobs(model, out, **kwargs)  # blocked ids from the model's config and tokenizer
-        unmasked, _ = policy_logprobs(model, out, blocked_token_ids=(), **kwargs)  # the behaviour before
+        actor, _ = policy_logprobs(model, out, blocked_token_ids=blocked, **kwargs)
+        unmasked, _ = policy_logprobs(model, out, blocked_token_ids=(), **kwargs)  # nothing blocked
     before = (unmasked - out["rollout_logprobs"])[mask].abs().max()
     after = (actor - out["rollout_logprobs"])[mask].abs().max()
     print(f"temperature {temperature}: max |actor - vLLM| {before:.2e} unmasked, {after:.2e} masked")
     assert before > 1e-3  # the check can fail: without the mask the gap is the blocked mass, ~0.02
     torch.testing.assert_close(actor[mask], out["rollout_logprobs"][mask])  # measured gap <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation sampling: worker.rollout.val_override_config keys that are not `Sampling` fields reach
+# vLLM's SamplingParams through Sampling.extra; worker.actor.model.override_config reaches its model
+
+
+def first_new_token(row: list[int], start: int) -> tuple[int, int]:
+    """(k, row[k]) for the first k >= start whose token does not occur in row[:k]."""
+    k = next(k for k in range(start, len(row)) if row[k] not in row[:k])
+    return k, row[k]
+
+
+@pytest.mark.slow
+def test_validation_extra_fields_change_what_vllm_samples(engine, prompts):
+    greedy = with_sampling(engine, n=1, temperature=0.0)
+    rows = engine.generate(prompts, greedy)["responses"].tolist()
+    # the random tiny model samples no EOS in 12 greedy steps here, so every greedy row is full length
+    assert not any(set(row) & set(engine.eos_token_ids) for row in rows)
+    k, stop = first_new_token(rows[0], start=2)
+    assert k + 4 <= T
+
+    # stop_token_ids: a greedy row ends at (and keeps) the first occurrence of the stop token;
+    # rows without it stay full length, and after the end the row is padding
+    stopped = engine.generate(prompts, sampling_with_overrides(greedy, {"stop_token_ids": [stop]}))
+    lengths = [row.index(stop) + 1 if stop in row else T for row in rows]
+    assert lengths[0] == k + 1
+    expected = torch.tensor([row[:n] + [engine.pad_token_id] * (T - n) for row, n in zip(rows, lengths)])
+    torch.testing.assert_close(stopped["responses"], expected)
+    torch.testing.assert_close(stopped["response_mask"].sum(1), torch.tensor(lengths))
+
+    # min_tokens: no stop token (nor EOS) before k + 4 tokens, so row 0 (which stopped after k + 1)
+    # now has at least k + 4; its first k tokens are the greedy ones, then it avoids the stop token
+    at_least = sampling_with_overrides(greedy, {"stop_token_ids": [stop], "min_tokens": k + 4})
+    longer = engine.generate(prompts, at_least)
+    assert (longer["response_mask"].sum(1) >= k + 4).all()
+    assert longer["responses"][0, :k].tolist() == rows[0][:k] and int(longer["responses"][0, k]) != stop
+
+
+@pytest.mark.slow
+def test_model_config_overrides_reach_vllm(engine, plan):
+    assert plan.rollout.engine.hf_config_overrides == {"text_config": {"initializer_range": INIT_RANGE}}
+    assert plan.bundle.policy.hf_config.text_config.initializer_range == INIT_RANGE  # what transformers loads
+    vllm_config = engine.llm.llm_engine.model_config.hf_config
+    assert vllm_config.text_config.initializer_range == INIT_RANGE  # the model directory's file says 0.02

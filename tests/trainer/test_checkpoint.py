@@ -43,3 +43,21 @@ def test_save_limit_keeps_latest_and_best(tmp_path):
 def test_resolve_checkpoint_error_names_the_path(tmp_path):
     with pytest.raises(CheckpointError, match="load_checkpoint_path=.*nope.*global_step_<N>"):
         resolve_checkpoint(tmp_path / "nope")
+
+
+def test_resume_checkpoint_follows_load_path_then_the_newest(tmp_path):
+    from easyvlm.config.schema import TrainerConfig
+    from easyvlm.trainer.checkpoint import resume_checkpoint
+
+    run, other = CheckpointManager(tmp_path / "run"), CheckpointManager(tmp_path / "other")
+    save(run, 2)
+    save(run, 4)
+    save(other, 6)
+    # trainer.find_last_checkpoint (default true): the newest checkpoint of the run's own directory
+    assert resume_checkpoint(TrainerConfig(), tmp_path / "run") == tmp_path / "run" / "global_step_4"
+    assert resume_checkpoint(TrainerConfig(find_last_checkpoint=False), tmp_path / "run") is None
+    # trainer.load_checkpoint_path wins, whether a checkpoint or a directory of them
+    load = TrainerConfig(load_checkpoint_path=str(tmp_path / "run" / "global_step_2"))
+    assert resume_checkpoint(load, tmp_path / "run") == tmp_path / "run" / "global_step_2"
+    load = TrainerConfig(load_checkpoint_path=str(tmp_path / "other"), find_last_checkpoint=False)
+    assert resume_checkpoint(load, tmp_path / "run") == tmp_path / "other" / "global_step_6"

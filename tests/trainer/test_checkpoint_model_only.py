@@ -49,7 +49,7 @@ def test_checkpoints_of_older_versions_are_resumable(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("e2e_ray")
-def test_training_run_saves_only_the_model(e2e_base_args, tiny_model_path, tmp_path):
+def test_training_run_saves_only_the_model(e2e_base_args, tiny_model_path, tmp_path, capsys):
     """1 step and its checkpoint: only the HF export is written, it holds the trained weights, and
     rerunning the command stops with the clear error."""
     from transformers import AutoModelForImageTextToText
@@ -76,5 +76,8 @@ def test_training_run_saves_only_the_model(e2e_base_args, tiny_model_path, tmp_p
     changed = [k for k in initial if not torch.equal(trained[k], initial[k])]
     assert "lm_head.weight" in changed  # the export holds the weights after the update (lr 3e-4)
 
-    with pytest.raises(CheckpointError, match="saved with trainer.save_model_only=true"):
+    # resuming from it is refused in the driver, before Ray starts: exit 2 with the reason
+    with pytest.raises(SystemExit) as info:
         main(argv)
+    assert info.value.code == 2
+    assert "checkpoint error: cannot resume" in capsys.readouterr().err

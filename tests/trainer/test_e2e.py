@@ -101,7 +101,29 @@ RUNS = {
         ],
         ["critic/vf_loss", "critic/grad_norm"],
     ),
+    # generation in rounds of mini_rollout_batch_size prompts, no filtering: rounds repeat until the
+    # step has rollout_batch_size prompts (EasyR1's semantics): 2 rounds of 2 prompts x 4 samples
+    "mini_rounds": (
+        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "data.mini_rollout_batch_size=2"],
+        ["generation/rounds", "critic/score/mean", "critic/advantages/max", "prompt_length/clip_ratio",
+         "timing_per_token_ms/gen", "timing_per_token_ms/update_actor"],
+    ),
+    # algorithm.kl_penalty=full: in the reward (the hybrid worker returns ref_kl) and as a loss term
+    # (the update asks the reference for its distribution per micro-batch; no separate ref pass)
+    "full_kl_reward": (
+        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "algorithm.adv_estimator=reinforce_plus_plus",
+         "algorithm.use_kl_loss=false", "algorithm.kl_penalty=full"],
+        ["critic/kl", "timing_s/ref"],
+    ),
+    "full_kl_loss": (
+        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "algorithm.use_kl_loss=true",
+         "algorithm.kl_penalty=full"],
+        ["actor/kl_loss"],
+    ),
 }
+# Runs whose update is not on-policy (the trainer must compute old log-probs: timing_s/old is logged);
+# the others take one optimizer step per step with the KL as a loss or off, so the pass is skipped.
+OFF_POLICY = {"reinforce_plus_plus", "full_kl_reward"}  # KL in the reward reads old_logprobs
 
 
 @pytest.mark.slow
@@ -121,11 +143,21 @@ class TestEstimators:
         for row in rows:
             assert_finite(row, ["actor/pg_loss", "actor/grad_norm", "reward/overall", "timing_s/step", *extra_keys])
             assert row["actor/skipped_steps"] == 0.0  # the optimizer stepped: loss and gradients were finite
+            # the trainer really skips the old log-prob pass exactly when the update is on-policy
+            assert ("timing_s/old" in row) == (name in OFF_POLICY), sorted(row)
         assert returned["training/global_step"] == 2.0
         if name == "grpo_vllm":  # validation at the last step, on the built-in reward
             assert_finite(rows[1], ["val/reward_score", "val/accuracy_reward"])
         if name == "dapo":
             assert all(row["online_filtering/rounds"] >= 1.0 for row in rows)
+        if name == "full_kl_loss":
+            assert all("timing_s/ref" not in row for row in rows)
+        if name == "mini_rounds":
+            # every step trains rollout_batch_size (4) prompts x n (4) = 16 samples from 2 rounds
+            assert [row["generation/rounds"] for row in rows] == [2.0, 2.0]
+            steps = read_jsonl(tmp_path / "data_order.jsonl")
+            assert [len(set(step["uids"])) for step in steps] == [4, 4]
+            assert not set(steps[0]["uids"]) & set(steps[1]["uids"])
 
 
 def test_concat_rollouts_left_pads_the_prompt_side():
@@ -187,7 +219,7 @@ STEPS, SAVE_FREQ, RUN_TIMEOUT_S = 6, 2, 420
 @pytest.fixture(scope="module")
 def short_train_file(easyvlm_cache_dir) -> str:
     """12 prompts: 3 steps of 4 per epoch, so the 6-step run (and its resume) crosses an epoch."""
-    from easyvlm.data.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic import materialize_dataset
 
     return str(materialize_dataset("train", cache_dir=easyvlm_cache_dir, num_samples=12))
 
@@ -304,12 +336,13 @@ def _loader_uids(argv: list[str], steps: int) -> list[list[str]]:
 
     from easyvlm.config.cli import parse_and_validate
     from easyvlm.data.dataloader import create_dataloaders
-    from easyvlm.models.builtin import resolve_model_path
+    from easyvlm.builtin.models import resolve_model_path
 
     cfg = parse_and_validate(argv)
     path = resolve_model_path(cfg.worker.actor.model.model_path)
     loader, _ = create_dataloaders(
-        cfg.data, AutoTokenizer.from_pretrained(path), AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+        cfg.data, AutoTokenizer.from_pretrained(path), AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path),
+        cfg.data.mini_rollout_batch_size or cfg.data.rollout_batch_size,
     )
     uids: list[list[str]] = []
     while len(uids) < steps:  # across epochs, as the trainer iterates

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-TIMING = ("timing_s/", "perf/")
+TIMING = ("timing_s/", "timing_per_token_ms/", "perf/")
 
 
 def rows(path) -> dict[int, dict]:

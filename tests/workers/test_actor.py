@@ -4,14 +4,14 @@ checkpoints, HF export and the weights handed to vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, assert_logprobs_match_reference, make_rl_batch, reference_logprobs
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_spec, assert_logprobs_match_reference, make_rl_batch, reference_logprobs
 
-from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
-from easyvlm.config.schema import LoraConfig
+from easyvlm.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, get_policy_loss, register_policy_loss
 from easyvlm.workers.actor import ActorWorker
 
 TEMPERATURE = 0.7
@@ -31,13 +31,13 @@ def reference_model(tiny_model_path):
     return AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
 
 
-def make_actor(model_path: str, **overrides) -> ActorWorker:
-    kwargs = {k: overrides.pop(k) for k in ("loss_fn", "algorithm") if k in overrides}
-    total_steps = overrides.pop("total_steps", 10)
-    return ActorWorker(
-        actor_config(model_path, **overrides), rank=0, world_size=1, total_steps=total_steps,
-        temperature=TEMPERATURE, **kwargs,
-    )
+def make_actor(model_path: str, loss: str | None = None, **overrides) -> ActorWorker:
+    """An actor of the test run (``overrides``: see workers_testing.role_overrides); ``loss``: a
+    registered policy loss to bind instead of the configured one (a test-only registration)."""
+    spec = actor_spec(model_path, temperature=TEMPERATURE, **overrides)
+    if loss is not None:
+        spec = dataclasses.replace(spec, policy_loss=dataclasses.replace(spec.policy_loss, name=loss))
+    return ActorWorker(spec, rank=0, world_size=1)
 
 
 def with_training_keys(batch, old_logprobs: torch.Tensor, seed: int = 0):
@@ -64,7 +64,9 @@ def test_compute_logprobs_match_transformers(process_group, tiny_model_path, bat
 def test_dynamic_batching_gives_the_same_logprobs(process_group, tiny_model_path, batch):
     fixed = make_actor(tiny_model_path).compute_logprobs(batch)["old_logprobs"]
     # a budget of 40 tokens cuts the 4 samples into several uneven micro-batches
-    dynamic = make_actor(tiny_model_path, dynamic_batching=True, max_token_len_per_device=40)
+    # (the config check wants the budget to hold max_prompt_length + max_response_length: 24 + 16)
+    lengths = ("data.max_prompt_length=24", "data.max_response_length=16")
+    dynamic = make_actor(tiny_model_path, dynamic_batching=True, max_token_len_per_device=40, extra=lengths)
     torch.testing.assert_close(dynamic.compute_logprobs(batch)["old_logprobs"], fixed)
 
 
@@ -172,6 +174,7 @@ def test_frozen_vision_tower_is_bit_identical_after_update(process_group, tiny_m
 def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, bad):
     real_loss = get_policy_loss("default")
     calls = []
+    name = f"test_non_finite_{bad}"
 
     def loss_fn(inputs):
         loss, metrics = real_loss(inputs)
@@ -179,7 +182,9 @@ def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, b
         # the first mini-batch's first micro-batch goes bad; the second mini-batch is fine
         return (loss * bad if len(calls) == 1 else loss), metrics
 
-    actor = make_actor(tiny_model_path, global_batch_size=2, loss_fn=loss_fn)
+    if name not in POLICY_LOSSES.names():
+        register_policy_loss(name)(loss_fn)
+    actor = make_actor(tiny_model_path, global_batch_size=2, loss=name)
     data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
     before = weights(actor)
     metrics = actor.update_policy(data.index(slice(0, 2)))  # one mini-batch: the bad one
@@ -194,9 +199,7 @@ def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, b
 
 
 def test_kl_loss_and_entropy_bonus_enter_the_loss(process_group, tiny_model_path, batch):
-    from easyvlm.config.schema import AlgorithmConfig
-
-    algorithm = AlgorithmConfig(use_kl_loss=True, kl_penalty="low_var_kl", kl_coef=0.5)
+    algorithm = dict(use_kl_loss=True, kl_penalty="low_var_kl", kl_coef=0.5)
     actor = make_actor(tiny_model_path, algorithm=algorithm, entropy_coeff=0.1, lr=0.0)
     data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
     with pytest.raises(KeyError, match="ref_logprobs"):
@@ -234,7 +237,7 @@ def test_checkpoint_round_trip(process_group, tiny_model_path, batch, tmp_path):
     for key, value in restored.optimizer.state_dict()["state"][0].items():
         if key != "step":
             assert torch.equal(value.full_tensor(), saved_optim[key]), key
-    assert restored.scheduler.last_epoch == 1
+    assert restored.trained.scheduler.last_epoch == 1
     # the restored worker continues exactly as the original did
     assert restored.update_policy(data) == after_save
     assert all(torch.equal(expected_next[k], v) for k, v in weights(restored).items())
@@ -264,7 +267,7 @@ def test_sync_state_dict_has_in_memory_names(process_group, tiny_model_path, ref
 
 
 def test_lora_actor_syncs_merged_weights(process_group, tiny_model_path, batch, reference_model):
-    actor = make_actor(tiny_model_path, lora=LoraConfig(rank=4, alpha=8), lr=1e-2)
+    actor = make_actor(tiny_model_path, lora=dict(rank=4, alpha=8), lr=1e-2)
     expected = reference_model.state_dict()
     state = actor.state_dict_for_sync()
     assert state.keys() == expected.keys()
@@ -276,3 +279,37 @@ def test_lora_actor_syncs_merged_weights(process_group, tiny_model_path, batch, 
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(state[name], expected[name])
     assert torch.equal(state["model.language_model.norm.weight"], expected["model.language_model.norm.weight"])
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_logprobs_and_update(process_group, tiny_model_path, batch):
+    # worker.actor.use_torch_compile (EasyR1's default: on): the per-token kernel through inductor,
+    # on the CPU too. Same log-probs and entropies, and the same update (its gradient norm)
+    from torch._dynamo.utils import counters
+
+    eager, compiled = make_actor(tiny_model_path), make_actor(tiny_model_path, use_torch_compile=True)
+    frames = counters["frames"]["ok"]
+    assert (eager.spec.forward.use_torch_compile, compiled.spec.forward.use_torch_compile) == (False, True)
+    out_eager, out_compiled = eager.compute_logprobs(batch, with_entropy=True), compiled.compute_logprobs(batch, with_entropy=True)
+    mask = batch["response_mask"]
+    for key in ("old_logprobs", "entropies"):
+        torch.testing.assert_close(out_compiled[key][mask], out_eager[key][mask], msg=key)
+    data = with_training_keys(batch, out_eager["old_logprobs"])
+    metrics_eager, metrics_compiled = eager.update_policy(data), compiled.update_policy(data)
+    assert metrics_compiled["actor/grad_norm"] == pytest.approx(metrics_eager["actor/grad_norm"], rel=1e-5)
+    assert metrics_compiled["actor/pg_loss"] == pytest.approx(metrics_eager["actor/pg_loss"], rel=1e-5)
+    assert counters["frames"]["ok"] > frames  # dynamo really compiled the kernel (eager compiles nothing)
+
+
+def test_trainer_seed_sets_the_new_lora_weights(process_group, tiny_model_path):
+    # trainer.seed seeds torch before the model is built: LoRA's A matrices (random; B starts at 0)
+    # repeat with the seed and change with it
+    def lora_a(seed: int) -> dict[str, torch.Tensor]:
+        actor = make_actor(tiny_model_path, lora=dict(rank=4, alpha=8), extra=(f"trainer.seed={seed}",))
+        assert actor.spec.seed == seed
+        return {n: p.detach().clone() for n, p in actor.model.named_parameters() if ".lora_A." in n}
+
+    first, again, other = lora_a(1), lora_a(1), lora_a(2)
+    assert first and first.keys() == other.keys()
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_config, make_rl_batch, reference_logprobs
+from plan_testing import plan_for
+from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_spec, critic_spec, make_rl_batch, reference_logprobs
 
 from easyvlm.algorithms.value_loss import value_loss
-from easyvlm.config.schema import CriticConfig, LoraConfig, ModelConfig, OptimConfig, RefConfig
 from easyvlm.workers.critic import CriticWorker
 from easyvlm.workers.fsdp import gather_full_state_dict
 from easyvlm.workers.ref import RefWorker
@@ -24,8 +24,9 @@ def test_ref_logprobs_match_transformers(process_group, tiny_model_path, batch, 
     from transformers import AutoModelForImageTextToText
 
     # LoRA on the actor: the reference is the base model without adapters
-    actor = actor_config(tiny_model_path, padding_free=padding_free, lora=LoraConfig(rank=4))
-    ref = RefWorker(RefConfig(), actor, rank=0, world_size=1, temperature=0.5)
+    spec = plan_for(tiny_model_path, f"worker.actor.padding_free={str(padding_free).lower()}", "worker.actor.model.lora.rank=4",
+                    "worker.rollout.temperature=0.5", "algorithm.disable_kl=false").ref
+    ref = RefWorker(spec, rank=0, world_size=1)
     assert not any(p.requires_grad for p in ref.model.parameters())
     out = ref.compute_ref_logprobs(batch)
     model = AutoModelForImageTextToText.from_pretrained(tiny_model_path, attn_implementation="sdpa").eval()
@@ -35,12 +36,11 @@ def test_ref_logprobs_match_transformers(process_group, tiny_model_path, batch, 
     assert out.keys() == ["ref_logprobs"]
 
 
-def critic_config(model_path: str, **overrides) -> CriticConfig:
+def critic_config(model_path: str, total_steps: int = 5, **overrides):
     defaults = dict(global_batch_size=4, micro_batch_size_per_device_for_update=1,
                     micro_batch_size_per_device_for_experience=2, dynamic_batching=False, cliprange_value=0.2)
     defaults.update(overrides)
-    return CriticConfig(model=ModelConfig(model_path=model_path, enable_gradient_checkpointing=False),
-                        optim=OptimConfig(lr=1e-3), **defaults)
+    return critic_spec(model_path, total_steps=total_steps, **defaults)
 
 
 def reference_values(model_dir: str, head: dict[str, torch.Tensor], batch) -> torch.Tensor:
@@ -70,7 +70,7 @@ def reference_values(model_dir: str, head: dict[str, torch.Tensor], batch) -> to
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_critic_values_and_update(process_group, tiny_model_path, batch, padding_free):
     config = critic_config(tiny_model_path, padding_free=padding_free)
-    critic = CriticWorker(config, rank=0, world_size=1, total_steps=5)
+    critic = CriticWorker(config, rank=0, world_size=1)
     head = {k: v for k, v in gather_full_state_dict(critic.model).items() if k.startswith("score.")}
     values = critic.compute_values(batch)["values"]
     expected = reference_values(tiny_model_path, head, batch)
@@ -104,8 +104,8 @@ def test_text_only_model_through_the_workers(process_group, tmp_path, padding_fr
 
     model_dir = build_tiny_qwen2(tmp_path)
     batch = make_text_batch([5, 2, 7], [3, 6, 1], pad_id=256)
-    actor = ActorWorker(actor_config(model_dir, padding_free=padding_free, global_batch_size=3),
-                        rank=0, world_size=1, total_steps=1, temperature=0.9)
+    actor = ActorWorker(actor_spec(model_dir, total_steps=1, padding_free=padding_free, global_batch_size=3,
+                                   micro_batch_size_per_device_for_update=1, temperature=0.9), rank=0, world_size=1)
     logprobs = actor.compute_logprobs(batch)["old_logprobs"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     mask, T = batch["response_mask"], batch["responses"].shape[1]
@@ -119,8 +119,8 @@ def test_text_only_model_through_the_workers(process_group, tmp_path, padding_fr
     expected = torch.log_softmax(logits, -1).gather(-1, batch["responses"][..., None])[..., 0]
     torch.testing.assert_close(logprobs[mask], expected[mask])
 
-    critic = CriticWorker(critic_config(model_dir, padding_free=padding_free, global_batch_size=3),
-                          rank=0, world_size=1, total_steps=1)
+    critic = CriticWorker(critic_config(model_dir, total_steps=1, padding_free=padding_free, global_batch_size=3),
+                          rank=0, world_size=1)
     values = critic.compute_values(batch)["values"]
     head = gather_full_state_dict(critic.model)
     reference = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, attn_implementation="sdpa")
@@ -129,3 +129,19 @@ def test_text_only_model_through_the_workers(process_group, tmp_path, padding_fr
         expected = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                              position_ids=batch["position_ids"]).logits[:, -T - 1 : -1, 0]
     torch.testing.assert_close(values[mask], expected[mask])
+
+
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_ref_offload_params_moves_the_weights_while_idle(process_group, tiny_model_path, batch, monkeypatch, offload_params):
+    """worker.ref.offload.offload_params: the weights go to the host after a pass and come back before
+    the next one (GPU memory; on the CPU the helpers are no-ops, so their calls are recorded here)."""
+    from easyvlm.workers import ref as ref_module
+
+    moves = []
+    monkeypatch.setattr(ref_module, "offload_model", lambda model: moves.append("host"))
+    monkeypatch.setattr(ref_module, "load_model_to", lambda model, device: moves.append(device.type))
+    spec = plan_for(tiny_model_path, f"worker.ref.offload.offload_params={str(offload_params).lower()}").ref
+    ref = RefWorker(spec, rank=0, world_size=1)
+    ref.offload()
+    ref.compute_ref_logprobs(batch.index([0]))
+    assert moves == (["host", "cpu"] if offload_params else [])

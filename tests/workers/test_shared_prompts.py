@@ -6,9 +6,11 @@ unshared update, and the packed row must really be shorter (else the other two t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from workers_testing import PROMPTS, actor_config, assert_logprobs_match_reference, make_rl_batch
+from workers_testing import PROMPTS, actor_spec, assert_logprobs_match_reference, make_rl_batch
 
 from easyvlm.workers.actor import ActorWorker
 
@@ -23,8 +25,12 @@ def group_batch(tiny_model_path):
     return make_rl_batch(tiny_model_path, GROUP_PROMPTS, GROUP_RESPONSES, n=3)
 
 
-def make_actor(model_path: str, **overrides) -> ActorWorker:
-    return ActorWorker(actor_config(model_path, **overrides), rank=0, world_size=1, total_steps=10, temperature=TEMPERATURE)
+def make_actor(model_path: str, update_micro: int | None = None, **overrides) -> ActorWorker:
+    spec = actor_spec(model_path, temperature=TEMPERATURE, **overrides)
+    if update_micro is not None:
+        micro = dataclasses.replace(spec.update.micro, micro_batch_size=update_micro)
+        spec = dataclasses.replace(spec, update=dataclasses.replace(spec.update, micro=micro))
+    return ActorWorker(spec, rank=0, world_size=1)
 
 
 def packed_lengths(actor: ActorWorker, batch) -> list[int]:
@@ -64,7 +70,9 @@ def test_shared_prompts_shorten_the_packed_row(process_group, tiny_model_path, g
 def test_shared_update_equals_unshared(process_group, tiny_model_path, group_batch):
     # one mini-batch of 9 in micro-batches of 5 (a group cut in two); max_grad_norm 0.5 so clipping
     # is active and the gradient norm (which AdamW's scale-free step would hide) is compared too
-    settings = dict(global_batch_size=9, micro_batch_size_per_device_for_update=5, max_grad_norm=0.5)
+    # (the config check wants micro-batches that divide the mini-batch: the spec gets 5 after the check)
+    settings = dict(global_batch_size=9, micro_batch_size_per_device_for_update=3, max_grad_norm=0.5,
+                    extra=("data.rollout_batch_size=9",), update_micro=5)
     gen = torch.Generator().manual_seed(0)
     mask = group_batch["response_mask"]
     data = group_batch.copy()

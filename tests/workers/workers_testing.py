@@ -4,6 +4,8 @@ right padded, position ids extended over the response)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from PIL import Image
@@ -83,27 +85,64 @@ PROMPTS = [
 RESPONSE_LENGTHS = [5, 9, 3, 7, 1, 8, 4, 6]
 
 
-def actor_config(model_path: str, **overrides):
-    """A small ActorConfig for tests: fixed micro-batches, no gradient checkpointing, lr 1e-3."""
-    from easyvlm.config.schema import ActorConfig, ModelConfig, OptimConfig
+def _value(v) -> str:
+    import json
 
-    model = ModelConfig(
-        model_path=model_path,
-        enable_gradient_checkpointing=overrides.pop("enable_gradient_checkpointing", False),
-        freeze_vision_tower=overrides.pop("freeze_vision_tower", False),
-        **({"lora": overrides.pop("lora")} if "lora" in overrides else {}),
-    )
-    optim = OptimConfig(lr=overrides.pop("lr", 1e-3), **overrides.pop("optim", {}))
-    defaults = dict(
-        global_batch_size=4,
-        micro_batch_size_per_device_for_update=2,
-        micro_batch_size_per_device_for_experience=2,
-        dynamic_batching=False,
-        padding_free=True,
-        max_grad_norm=1.0,
-    )
-    defaults.update(overrides)
-    return ActorConfig(model=model, optim=optim, **defaults)
+    if isinstance(v, bool):
+        return str(v).lower()
+    if v is None:
+        return "null"
+    if isinstance(v, (list, tuple, dict)):
+        return json.dumps(list(v) if isinstance(v, tuple) else v)
+    return str(v)
+
+
+def role_overrides(role: str = "actor", **kwargs) -> list[str]:
+    """Dotted overrides from keyword arguments: ``lr``, ``optim={...}``, model keys
+    (``enable_gradient_checkpointing``, ``freeze_vision_tower``, ``lora={...}``), ``algorithm={...}``,
+    ``temperature`` and ``n`` (rollout) by name; everything else is a key of ``worker.<role>``."""
+    p = f"worker.{role}"
+    out = []
+    for key, value in kwargs.items():
+        if key == "lr":
+            out.append(f"{p}.optim.lr={_value(value)}")
+        elif key in ("optim", "algorithm"):
+            prefix = f"{p}.optim" if key == "optim" else "algorithm"
+            out += [f"{prefix}.{k}={_value(v)}" for k, v in value.items()]
+        elif key in ("enable_gradient_checkpointing", "freeze_vision_tower"):
+            out.append(f"{p}.model.{key}={_value(value)}")
+        elif key == "lora":
+            out += [f"{p}.model.lora.{k}={_value(v)}" for k, v in value.items()]
+        elif key in ("temperature", "n"):
+            out.append(f"worker.rollout.{key}={_value(value)}")
+        else:
+            out.append(f"{p}.{key}={_value(value)}")
+    return out
+
+
+def actor_spec(model_path: str, total_steps: int = 10, world_size: int = 1, extra: tuple[str, ...] = (), **kwargs):
+    """The `ActorSpec` the plan builder makes for the tiny test run with ``kwargs`` (see
+    :func:`role_overrides`, ``extra``: more dotted overrides); fixed micro-batches, no gradient
+    checkpointing, lr 1e-3 by default."""
+    from plan_testing import plan_for
+
+    frozen = kwargs.get("lr") == 0  # the config check wants lr > 0; tests that keep weights fixed set 0 after
+    if frozen:
+        kwargs["lr"] = 1e-3
+    overrides = role_overrides("actor", **kwargs) + [f"trainer.n_gpus_per_node={world_size}", *extra]
+    spec = plan_for(model_path, *overrides, total_steps=total_steps).actor
+    if frozen:
+        optim = dataclasses.replace(spec.update.optim, lr=0.0)
+        spec = dataclasses.replace(spec, update=dataclasses.replace(spec.update, optim=optim))
+    return spec
+
+
+def critic_spec(model_path: str, total_steps: int = 10, world_size: int = 1, **kwargs):
+    """The `CriticSpec` of the tiny test run (a gae run) with ``kwargs`` for ``worker.critic``."""
+    from plan_testing import plan_for
+
+    overrides = ["algorithm.adv_estimator=gae", f"trainer.n_gpus_per_node={world_size}"]
+    return plan_for(model_path, *overrides, *role_overrides("critic", **kwargs), total_steps=total_steps).critic
 
 
 def assert_logprobs_match_reference(out: Batch, reference, batch: Batch, temperature: float) -> None:
@@ -158,16 +197,18 @@ def reference_logprobs(model, batch: Batch, temperature: float) -> tuple[torch.T
 
 TWO_RANK_ACTOR = dict(
     global_batch_size=4,  # 2 mini-batches of 4 samples: 2 per rank on 2 ranks
-    micro_batch_size_per_device_for_update=4,
+    micro_batch_size_per_device_for_update=2,
     micro_batch_size_per_device_for_experience=4,
     dynamic_batching=True,
     # attended lengths are [41 58 24 53 | 29 34 38 28]: rank 0 cuts more micro-batches than rank 1,
     # so rank 1 runs dummy forward/backward passes to match FSDP's collectives
-    max_token_len_per_device=70,
+    max_token_len_per_device=70,  # with data.max_prompt_length + max_response_length <= 70 (TWO_RANK_EXTRA)
     enable_gradient_checkpointing=True,
     max_grad_norm=0.5,
     lr=1e-3,
+    temperature=0.8,
 )
+TWO_RANK_EXTRA = ("data.max_prompt_length=54", "data.max_response_length=16")
 ONE_RANK_ORDER = [0, 1, 4, 5, 2, 3, 6, 7]  # the mini-batches of 1 rank = those of 2 ranks, joined
 
 
@@ -186,12 +227,11 @@ def run_actor_and_critic(
 ) -> dict:
     """compute_logprobs, update_policy, compute_values, update_critic on this rank's ``batch``;
     returns what the comparison needs (weights gathered to every rank)."""
-    from easyvlm.config.schema import CriticConfig, ModelConfig, OptimConfig
     from easyvlm.workers.actor import ActorWorker
     from easyvlm.workers.critic import CriticWorker
 
-    actor = ActorWorker(actor_config(model_path, **dict(TWO_RANK_ACTOR)), rank=rank, world_size=world_size,
-                        total_steps=3, temperature=0.8)
+    spec = actor_spec(model_path, total_steps=3, world_size=world_size, extra=TWO_RANK_EXTRA, **TWO_RANK_ACTOR)
+    actor = ActorWorker(spec, rank=rank, world_size=world_size)
     logprobs = actor.compute_logprobs(batch)["old_logprobs"]
     data = batch.copy()
     data["old_logprobs"] = logprobs + noise
@@ -199,11 +239,9 @@ def run_actor_and_critic(
     actor_metrics = actor.update_policy(data)
     actor_weights = actor.state_dict_for_sync()
 
-    critic_cfg = CriticConfig(
-        model=ModelConfig(model_path=model_path, enable_gradient_checkpointing=False), optim=OptimConfig(lr=1e-3),
-        global_batch_size=4, micro_batch_size_per_device_for_update=1, dynamic_batching=False,
-    )
-    critic = CriticWorker(critic_cfg, rank=rank, world_size=world_size, total_steps=3)
+    critic_cfg = critic_spec(model_path, total_steps=3, world_size=world_size, global_batch_size=4,
+                             micro_batch_size_per_device_for_update=1, dynamic_batching=False, lr=1e-3)
+    critic = CriticWorker(critic_cfg, rank=rank, world_size=world_size)
     values = critic.compute_values(batch)["values"]
     data["values"] = values
     data["returns"] = values + advantages
@@ -247,7 +285,7 @@ def build_tiny_qwen2(out_dir) -> str:
     """A random 2-layer Qwen2 causal LM (hidden 64) with the built-in byte tokenizer."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from easyvlm.models.builtin import build_tokenizer
+    from easyvlm.builtin.models import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(

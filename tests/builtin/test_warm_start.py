@@ -1,9 +1,8 @@
 """The demo's warm start: same prompt as the RL run, format targets only."""
 
-import random
 from pathlib import Path
 
-from easyvlm.models.warm_start import SYNTHETIC_FORMAT_PROMPT, WARM_STARTS, WarmStartSpec, warm_start_key
+from easyvlm.builtin.warm_start import SYNTHETIC_FORMAT_PROMPT, WARM_STARTS, WarmStartSpec, warm_start_key
 
 REPO = Path(__file__).resolve().parents[2]
 

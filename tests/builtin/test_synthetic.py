@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from easyvlm.data.synthetic import (
+from easyvlm.builtin.synthetic import (
     SPLIT_SEEDS,
     SyntheticDatasetError,
     generate_rows,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from easyvlm.models.builtin import (
+from easyvlm.builtin.models import (
     BUILTIN_MODELS,
     SPECIAL_TOKENS,
     ModelNotFoundError,
@@ -257,7 +257,7 @@ def test_word_tokens_reject_what_the_byte_decoder_would_change():
 def test_cache_path_changes_with_the_spec():
     import dataclasses
 
-    from easyvlm.models.builtin import spec_key
+    from easyvlm.builtin.models import spec_key
 
     spec = BUILTIN_MODELS["tiny-qwen2.5-vl"]
     assert spec_key(spec) == spec_key(dataclasses.replace(spec))

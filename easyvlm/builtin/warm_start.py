@@ -57,7 +57,7 @@ def warm_start_key(spec: WarmStartSpec) -> str:
     """A short hash of the recipe (and of the prompt it trains on) for the cache directory name."""
     import hashlib
 
-    from easyvlm.models.builtin import get_builtin_spec, spec_key
+    from easyvlm.builtin.models import get_builtin_spec, spec_key
 
     base_key = spec_key(get_builtin_spec(spec.base))
     return hashlib.sha1(f"{spec}|{base_key}|{SYNTHETIC_FORMAT_PROMPT}".encode()).hexdigest()[:8]
@@ -73,8 +73,8 @@ def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
     from easyvlm.config.schema import DataConfig
     from easyvlm.data.collate import concat_multi_modal_inputs
     from easyvlm.data.dataset import PromptEncoder
-    from easyvlm.data.synthetic import materialize_dataset
-    from easyvlm.models.builtin import materialize_model
+    from easyvlm.builtin.synthetic import materialize_dataset
+    from easyvlm.builtin.models import materialize_model
     from easyvlm.models.position_ids import extend_position_ids, to_model_layout
 
     threads = torch.get_num_threads()
@@ -86,15 +86,14 @@ def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
         model_config = AutoConfig.from_pretrained(base)
         data_file = materialize_dataset("train", name=spec.dataset)
         rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
-        pixels = processor.image_processor
         out_dir.mkdir(parents=True, exist_ok=True)
         prompt_file = out_dir / "format_prompt.jinja"  # kept with the model: the prompt it was trained on
         prompt_file.write_text(SYNTHETIC_FORMAT_PROMPT + "\n")
         cfg = DataConfig(
             format_prompt=str(prompt_file),
             prompt_key="problem",
-            min_pixels=pixels.min_pixels if hasattr(pixels, "min_pixels") else None,
-            max_pixels=pixels.max_pixels if hasattr(pixels, "max_pixels") else None,
+            min_pixels=None,  # no data limits: the processor's own apply (the synthetic images fit them)
+            max_pixels=None,
         )
         encoder = PromptEncoder(cfg, tokenizer, processor, model_config)
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -287,7 +287,7 @@ def resolve_builtin_dataset(spec: str, cache_dir: str | os.PathLike | None = Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m easyvlm.data.synthetic [split ...] [--name N] [--force]``: generate and print paths."""
+    """``python -m easyvlm.builtin.synthetic [split ...] [--name N] [--force]``: generate and print paths."""
     import argparse
     import shutil
 

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from easyvlm.data.synthetic import PALETTE, SHAPES
+from easyvlm.builtin.synthetic import PALETTE, SHAPES
 from easyvlm.utils.cache import build_once, cache_root
 
 # Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
@@ -138,7 +138,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 
 def _known_models_hint() -> str:
-    from easyvlm.models.warm_start import WARM_STARTS
+    from easyvlm.builtin.warm_start import WARM_STARTS
 
     names = ", ".join(f"{BUILTIN_PREFIX}{name}" for name in (*BUILTIN_MODELS, *WARM_STARTS))
     return f"built-in models: {names}"
@@ -152,7 +152,7 @@ def get_builtin_spec(name: str) -> BuiltinModelSpec:
 
 def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where ``materialize_model(name)`` puts its build (whether or not it exists yet)."""
-    from easyvlm.models.warm_start import WARM_STARTS, warm_start_key
+    from easyvlm.builtin.warm_start import WARM_STARTS, warm_start_key
 
     if name in WARM_STARTS:  # the key changes with the recipe, so a changed recipe rebuilds
         return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{warm_start_key(WARM_STARTS[name])}"
@@ -171,7 +171,7 @@ def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLik
 
     ``cache_dir`` overrides ``$EASYVLM_CACHE`` (default ``~/.cache/easyvlm``).
     """
-    from easyvlm.models.warm_start import WARM_STARTS, build_warm_start
+    from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start
 
     if name in WARM_STARTS:  # a builtin model after a supervised warm start (built from the base)
         warm = WARM_STARTS[name]
@@ -366,7 +366,7 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m easyvlm.models.builtin [name ...] [--force]``: build (or rebuild) and print paths."""
+    """``python -m easyvlm.builtin.models [name ...] [--force]``: build (or rebuild) and print paths."""
     import argparse
     import shutil
 

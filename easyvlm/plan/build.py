@@ -1,0 +1,360 @@
+"""`build_plan`: a validated `PPOConfig` -> the immutable `RunPlan`, once, in the driver.
+
+What happens here and nowhere else:
+- local paths become absolute (Ray workers do not share the driver's working directory) and
+  ``file.py:func`` plug-ins are resolved;
+- the policy's files are loaded once: its transformers config (``override_config`` applied), its
+  tokenizer and processor (``trust_remote_code`` honoured), the token ids every role agrees on;
+- the checks that need the model or the device (`model_problems`) run, still before Ray starts;
+- each role gets its typed slice (``easyvlm.plan.specs``) with its loss bound to its hyperparameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from easyvlm.config.derived import Derived, RoleBatching, derive
+from easyvlm.config.errors import ConfigError, Problem
+from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOConfig, canonical_dtype
+from easyvlm.config.validate import lora_module_names, notices
+from easyvlm.plan.specs import (
+    ActorSpec,
+    CriticSpec,
+    EngineSpec,
+    ForwardSpec,
+    KLLossSpec,
+    LoraSpec,
+    MicroBatching,
+    ModelBundle,
+    ModelSpec,
+    PolicyLossSpec,
+    RefSpec,
+    RolloutSpec,
+    TokenIds,
+    UpdateSpec,
+)
+from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything a run needs, resolved once. The driver reads ``config`` (paths absolute) for the
+    loop's own settings; every role gets only its slice."""
+
+    config: PPOConfig
+    derived: Derived
+    device: str
+    bundle: ModelBundle
+    actor: ActorSpec
+    ref: Optional[RefSpec]
+    critic: Optional[CriticSpec]
+    rollout: RolloutSpec
+    reward: Any
+    """``easyvlm.rewards.manager.RewardSettings``."""
+    notices: tuple[str, ...]
+    """Valid settings that do something the user may not expect; printed at start."""
+
+
+# ------------------------------------------------------------------------------------------- paths
+def _abs_if_local(path: Optional[str]) -> Optional[str]:
+    """An absolute path if ``path`` names something on disk (keeps ``builtin:`` and hub ids)."""
+    if not path:
+        return path
+    head, at, split = path.partition("@")
+    return str(Path(head).resolve()) + at + split if Path(head).exists() else path
+
+
+def resolve_paths(cfg: PPOConfig) -> PPOConfig:
+    """The same config with local paths made absolute and ``file.py:func`` specs resolved."""
+    r = dataclasses.replace
+
+    def model(m: ModelConfig) -> ModelConfig:
+        return r(m, model_path=_abs_if_local(m.model_path), tokenizer_path=_abs_if_local(m.tokenizer_path))
+
+    def spec(value: str) -> str:
+        return resolve_plugin_spec(value) if is_plugin_spec(value) else value
+
+    reward = cfg.worker.reward
+    reward = r(
+        reward,
+        reward_function=spec(reward.reward_function) if reward.reward_function else reward.reward_function,
+        reward_functions=[r(f, reward_function=spec(f.reward_function)) for f in reward.reward_functions],
+    )
+    actor = r(cfg.worker.actor, model=model(cfg.worker.actor.model), loss_type=spec(cfg.worker.actor.loss_type))
+    critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
+    data = r(
+        cfg.data,
+        train_files=_abs_if_local(cfg.data.train_files),
+        val_files=_abs_if_local(cfg.data.val_files),
+        image_dir=_abs_if_local(cfg.data.image_dir),
+        format_prompt=_abs_if_local(cfg.data.format_prompt),
+        override_chat_template=_abs_if_local(cfg.data.override_chat_template),
+    )
+    trainer = r(
+        cfg.trainer,
+        save_checkpoint_path=str(Path(cfg.trainer.save_checkpoint_path).resolve()) if cfg.trainer.save_checkpoint_path else None,
+        load_checkpoint_path=_abs_if_local(cfg.trainer.load_checkpoint_path),
+        ray_timeline=str(Path(cfg.trainer.ray_timeline).resolve()) if cfg.trainer.ray_timeline else None,
+    )
+    return r(
+        cfg,
+        data=data,
+        algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
+        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward),
+        trainer=trainer,
+    )
+
+
+# ------------------------------------------------------------------------------------------ models
+def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBundle:
+    """Resolve the model and tokenizer paths and load config, tokenizer, processor and token ids.
+
+    Raises ConfigError naming ``key`` when the files do not fit together (a tokenizer that is not
+    the model's, a vision-language family easyvlm does not know)."""
+    from transformers import GenerationConfig
+
+    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.loading import load_tokenizer_and_processor
+    from easyvlm.rollout.tokens import blocked_token_ids, eos_token_ids, pad_token_id
+
+    assert model.model_path, "validate() requires worker.actor.model.model_path"
+    spec = model_spec(model, resolve_model_path(model.model_path), trainable_lora=True)
+    tokenizer_dir = (
+        spec.model_dir if model.tokenizer_path in (None, model.model_path) else resolve_model_path(model.tokenizer_path)
+    )
+    tokenizer, processor = load_tokenizer_and_processor(tokenizer_dir, model.trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(spec.model_dir)
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone ends responses
+        generation_config = None
+    try:
+        tokens = TokenIds(
+            pad=pad_token_id(tokenizer),
+            eos=tuple(eos_token_ids(tokenizer, generation_config)),
+            blocked=tuple(blocked_token_ids(tokenizer, spec.hf_config)),
+        )
+    except ValueError as err:
+        raise ConfigError([Problem(f"{key}.tokenizer_path", str(err))]) from err
+    return ModelBundle(spec, tokenizer, processor, generation_config, tokens)
+
+
+def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool) -> ModelSpec:
+    """The `ModelSpec` of ``model`` whose files are in ``model_dir`` (loads its config)."""
+    from easyvlm.models.loading import load_hf_config
+
+    lora = model.lora
+    lora_spec = None
+    if trainable_lora and lora.rank > 0:
+        names = lora_module_names(lora.target_modules)
+        lora_spec = LoraSpec(lora.rank, lora.alpha, names if names is not None else lora.target_modules, lora.exclude_modules)
+    return ModelSpec(
+        model_dir=model_dir,
+        hf_config=load_hf_config(model_dir, dict(model.override_config), model.trust_remote_code),
+        trust_remote_code=model.trust_remote_code,
+        attn_implementation=model.attn_implementation,
+        lora=lora_spec,
+        freeze_vision_tower=model.freeze_vision_tower,
+        gradient_checkpointing=model.enable_gradient_checkpointing,
+    )
+
+
+# ----------------------------------------------------------------------------------------- slices
+def _micro(role: ActorConfig | CriticConfig, size: int) -> MicroBatching:
+    budget = role.max_token_len_per_device if isinstance(role, ActorConfig) else None
+    return MicroBatching(micro_batch_size=size, dynamic=role.dynamic_batching, max_token_len=budget)
+
+
+def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds) -> ForwardSpec:
+    actor = cfg.worker.actor
+    return ForwardSpec(
+        padding_free=role.padding_free,
+        share_prompts=role.share_prompts,
+        temperature=cfg.worker.rollout.temperature,
+        blocked_token_ids=tokens.blocked,
+        use_torch_compile=actor.use_torch_compile,  # EasyR1 has the key on the actor only
+        ulysses_size=role.ulysses_size,
+        experience=_micro(role, role.micro_batch_size_per_device_for_experience),
+    )
+
+
+def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatching) -> UpdateSpec:
+    return UpdateSpec(
+        ppo_epochs=role.ppo_epochs,
+        mini_batch_per_rank=batching.mini_batch_per_device,
+        optimizer_steps_per_step=batching.optimizer_steps_per_step,
+        micro=_micro(role, role.micro_batch_size_per_device_for_update),
+        max_grad_norm=role.max_grad_norm,
+        loss_avg_mode=role.loss_avg_mode,
+        norm_length=cfg.data.max_response_length,
+        optim=role.optim,
+    )
+
+
+def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSpec:
+    actor, algo = cfg.worker.actor, cfg.algorithm
+    return ActorSpec(
+        model=bundle.policy,
+        fsdp=actor.fsdp,
+        offload=actor.offload,
+        forward=_forward(cfg, actor, bundle.tokens),
+        update=_update(cfg, actor, derived.actor),
+        policy_loss=PolicyLossSpec(
+            name=actor.loss_type,
+            clip_ratio_low=actor.clip_ratio_low,
+            clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_dual=actor.clip_ratio_dual,
+            tau_positive=actor.tau_positive,
+            tau_negative=actor.tau_negative,
+            loss_avg_mode=actor.loss_avg_mode,
+        ),
+        kl_loss=KLLossSpec(algo.kl_coef, algo.kl_penalty) if derived.kl_in_loss else None,
+        entropy_coeff=actor.entropy_coeff,
+        seed=cfg.trainer.seed,
+        files=bundle,
+    )
+
+
+def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
+    """The reference model: the actor's model without LoRA adapters (with LoRA, the base weights
+    are the initial policy), the actor's forward settings, the ref section's FSDP and offload."""
+    ref = cfg.worker.ref
+    model = dataclasses.replace(bundle.policy, lora=None, gradient_checkpointing=False, freeze_vision_tower=False)
+    return RefSpec(model=model, fsdp=ref.fsdp, offload=ref.offload, forward=_forward(cfg, cfg.worker.actor, bundle.tokens))
+
+
+def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
+    from easyvlm.builtin.models import resolve_model_path
+
+    critic = cfg.worker.critic
+    assert critic.model.model_path and derived.critic is not None, "validate() requires the critic for gae"
+    if critic.model.model_path == cfg.worker.actor.model.model_path and critic.model.override_config == cfg.worker.actor.model.override_config:
+        model = dataclasses.replace(bundle.policy, lora=None)
+    else:
+        model = model_spec(critic.model, resolve_model_path(critic.model.model_path), trainable_lora=False)
+    model = dataclasses.replace(
+        model,
+        freeze_vision_tower=critic.model.freeze_vision_tower,
+        gradient_checkpointing=critic.model.enable_gradient_checkpointing,
+        attn_implementation=critic.model.attn_implementation,
+        trust_remote_code=critic.model.trust_remote_code,
+    )
+    return CriticSpec(
+        model=model,
+        fsdp=critic.fsdp,
+        offload=critic.offload,
+        forward=_forward(cfg, critic, bundle.tokens),
+        update=_update(cfg, critic, derived.critic),
+        cliprange_value=critic.cliprange_value,
+        seed=cfg.trainer.seed,
+    )
+
+
+def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: str) -> RolloutSpec:
+    from easyvlm.data.images import vllm_mm_processor_kwargs
+    from easyvlm.rollout.base import Sampling, sampling_with_overrides
+
+    r, data = cfg.worker.rollout, cfg.data
+    sampling = Sampling(
+        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=data.max_response_length,
+        ignore_eos=r.ignore_eos,
+    )
+    mm = vllm_mm_processor_kwargs(bundle.processor)  # vLLM resizes with the processor's limits, as the data does
+    engine = EngineSpec(
+        name=r.name,
+        model_dir=bundle.policy.model_dir,
+        hf_config=bundle.policy.hf_config,
+        hf_config_overrides=dict(cfg.worker.actor.model.override_config),
+        device=device,
+        dtype=canonical_dtype(r.dtype),
+        seed=r.seed,
+        max_model_len=derived.rollout_max_model_len,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        max_num_seqs=r.max_num_seqs,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        enforce_eager=r.enforce_eager,
+        enable_chunked_prefill=r.enable_chunked_prefill,
+        tensor_parallel_size=r.tensor_parallel_size,
+        limit_images=r.limit_images,
+        disable_log_stats=r.disable_log_stats,
+        disable_tqdm=r.disable_tqdm,
+        mm_processor_kwargs=mm,
+    )
+    return RolloutSpec(
+        engine=engine,
+        sampling=sampling,
+        val_sampling=sampling_with_overrides(sampling, r.val_override_config),
+        response_length=data.max_response_length,
+        tokens=bundle.tokens,
+        per_request_seed=r.per_request_seed,
+    )
+
+
+# ------------------------------------------------------------------------------------------- build
+def pick_device(cfg: PPOConfig) -> str:
+    """``trainer.device``; ``auto`` = cuda when this machine sees a GPU (a cluster joined through
+    ``trainer.ray_address`` is asked again once Ray is up: ``easyvlm.trainer.main``)."""
+    if cfg.trainer.device != "auto":
+        return cfg.trainer.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
+    """The run plan of a config that passed ``validate``; raises ConfigError for problems that need
+    the model files or the device (still before Ray starts)."""
+    from easyvlm.config.validate import model_problems
+
+    derived = derive(cfg)
+    cfg = resolve_paths(cfg)
+    derived = dataclasses.replace(derived, save_checkpoint_path=str(Path(derived.save_checkpoint_path).resolve()))
+    reward = reward_settings(cfg)  # cheap, so before the model files (a builtin model may be built first)
+    bundle = load_bundle(cfg.worker.actor.model)
+    problems = model_problems(cfg, bundle.policy.hf_config, device)
+    if problems:
+        raise ConfigError(problems)
+    return RunPlan(
+        config=cfg,
+        derived=derived,
+        device=device,
+        bundle=bundle,
+        actor=actor_spec(cfg, derived, bundle),
+        ref=ref_spec(cfg, bundle) if derived.use_reference else None,
+        critic=critic_spec(cfg, derived, bundle) if derived.use_critic else None,
+        rollout=rollout_spec(cfg, derived, bundle, device),
+        reward=reward,
+        notices=tuple(notices(cfg) + device_notices(cfg, device)),
+    )
+
+
+def reward_settings(cfg: PPOConfig) -> Any:
+    """The reward settings, with every reward file loaded and its function's signature checked here,
+    in the driver: a missing function or a wrong signature is a config error, not a traceback later."""
+    from easyvlm.rewards.loader import load_reward_function
+    from easyvlm.rewards.manager import RewardSettings
+    from easyvlm.rewards.types import RewardError
+
+    try:
+        settings = RewardSettings.from_config(cfg.worker.reward)
+        for spec in settings.functions:
+            load_reward_function(spec)
+    except RewardError as err:
+        raise ConfigError([Problem("worker.reward", str(err.args[0]))]) from err
+    return settings
+
+
+def device_notices(cfg: PPOConfig, device: str) -> list[str]:
+    """What the CPU does differently from the GPU path the config describes."""
+    if device != "cpu":
+        return []
+    lines = []
+    roles = {"worker.actor": cfg.worker.actor, "worker.ref": cfg.worker.ref, "worker.critic": cfg.worker.critic}
+    offloaded = [f"{k}.offload" for k, role in roles.items() if role.offload.offload_params or role.offload.offload_optimizer]
+    if offloaded:
+        lines.append(f"{', '.join(offloaded)}: offloading moves GPU memory to the host; on the CPU it does nothing")
+    if canonical_dtype(cfg.worker.rollout.dtype) != "fp32" or cfg.worker.actor.fsdp.mp_param_dtype not in ("fp32", "float32"):
+        lines.append("on the CPU models run in float32 (worker.rollout.dtype and the fsdp.mp_* dtypes apply on GPUs)")
+    return lines

@@ -1,0 +1,249 @@
+"""Typed slices of the run plan, one per consumer. Plain frozen dataclasses: no torch, no vllm.
+
+Every value here is final: defaults applied, paths resolved, derived numbers computed, choices
+validated by ``easyvlm.config.validate``. A consumer asserts what it relies on; it never judges a
+user's value (that is ``validate``'s job) and never reads the config. ``easyvlm.plan.build`` makes
+them; docs/architecture.md shows which role gets which slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from easyvlm.config.schema import FSDPConfig, OffloadConfig, OptimConfig
+
+if TYPE_CHECKING:  # the rollout's sampling type lives with the engines; no import at run time
+    from easyvlm.rollout.base import Sampling
+
+
+# ------------------------------------------------------------------------------------------ models
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters of the policy (``worker.actor.model.lora`` with rank > 0)."""
+
+    rank: int
+    alpha: int
+    target_modules: str | tuple[str, ...]
+    """``"all-linear"``, a regular expression matched against full module names (peft's meaning of a
+    string), or module names (EasyR1's comma form ``q_proj,k_proj`` arrives as a tuple)."""
+    exclude_modules: Optional[str]
+    """Regular expression of modules left without adapters, or None."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How a worker builds one model; resolved in the driver."""
+
+    model_dir: str
+    """A local model directory (``builtin:`` names and hub ids already resolved)."""
+    hf_config: Any
+    """The transformers config with ``model.override_config`` applied (loaded once, in the driver)."""
+    trust_remote_code: bool
+    attn_implementation: str
+    """As requested (``sdpa``, ``eager``, ``flash_attention_2``/``_3``; flash falls back to sdpa on the CPU)."""
+    lora: Optional[LoraSpec]
+    """None: no adapters (full fine-tuning, and always for the reference model and the critic)."""
+    freeze_vision_tower: bool
+    gradient_checkpointing: bool
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """Token ids every role agrees on, read once from the tokenizer and the model config."""
+
+    pad: int
+    """Fills prompts on the left and responses after their end."""
+    eos: tuple[int, ...]
+    """End a response: the tokenizer's EOS plus the generation config's."""
+    blocked: tuple[int, ...]
+    """Never sampled (vision placeholders, padded LM-head rows): the rollout removes them and the
+    actor / reference log-probs are taken over the same reduced vocabulary."""
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """The policy's files, resolved and loaded once in the driver (``trust_remote_code`` honoured)."""
+
+    policy: ModelSpec
+    tokenizer: Any
+    processor: Any
+    """The multimodal processor, or None for a text-only model."""
+    generation_config: Any
+    """The model directory's ``generation_config.json`` (EOS ids, what an HF export keeps), or None."""
+    tokens: TokenIds
+
+
+# ------------------------------------------------------------------------------------- forward passes
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank cuts its samples into forward passes."""
+
+    micro_batch_size: int
+    """Samples per pass (without dynamic batching), and the unit of the default token budget."""
+    dynamic: bool
+    """Cut by a token budget instead of a sample count."""
+    max_token_len: Optional[int]
+    """Dynamic batching's budget of attended tokens; None = micro_batch_size x the batch's padded length."""
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """How a role runs its model over a batch (actor, reference and critic alike)."""
+
+    padding_free: bool
+    share_prompts: bool
+    temperature: float
+    """Logits are divided by the rollout temperature before log-softmax (policy roles)."""
+    blocked_token_ids: tuple[int, ...]
+    use_torch_compile: bool
+    """torch.compile the log-prob and entropy kernels."""
+    ulysses_size: int
+    """Ranks of a sequence-parallel group (1 = off)."""
+    experience: MicroBatching
+    """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """One training step of a trained role: epochs x mini-batches x micro-batches, then clip and step."""
+
+    ppo_epochs: int
+    mini_batch_per_rank: int
+    """Samples of one optimizer step on one data-parallel rank (global_batch_size x n / data-parallel size)."""
+    optimizer_steps_per_step: int
+    """Optimizer steps per training step (mini-batches per step x ppo_epochs)."""
+    micro: MicroBatching
+    max_grad_norm: float
+    loss_avg_mode: str
+    norm_length: int
+    """The constant of loss_avg_mode seq-mean-token-sum-norm: data.max_response_length."""
+    optim: OptimConfig
+    total_steps: int = 0
+    """Training steps of the run (the learning-rate schedule's length); set once the data is loaded."""
+
+
+# ------------------------------------------------------------------------------------------- losses
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """A policy loss bound to its hyperparameters: call it with tensors only."""
+
+    name: str
+    """A registered loss or a resolved ``/abs/path/file.py:func`` plug-in (loaded in the worker)."""
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_dual: float
+    tau_positive: float
+    tau_negative: float
+    loss_avg_mode: str
+
+    def __call__(self, logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, normalizer: float) -> tuple[Any, dict[str, float]]:
+        from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
+
+        inputs = PolicyLossInputs(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            advantages=advantages,
+            response_mask=response_mask,
+            clip_ratio_low=self.clip_ratio_low,
+            clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_dual=self.clip_ratio_dual,
+            tau_positive=self.tau_positive,
+            tau_negative=self.tau_negative,
+            loss_avg_mode=self.loss_avg_mode,
+            normalizer=normalizer,
+        )
+        return get_policy_loss(self.name)(inputs)
+
+
+@dataclass(frozen=True)
+class KLLossSpec:
+    """The KL term of the actor loss (``algorithm.use_kl_loss`` on, KL not disabled)."""
+
+    coef: float
+    penalty: str
+    """An estimator of ``easyvlm.algorithms.kl``; ``full`` needs the reference's whole distribution,
+    which the hybrid worker computes beside the actor."""
+
+
+# -------------------------------------------------------------------------------------------- roles
+@dataclass(frozen=True)
+class ActorSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+    update: UpdateSpec
+    policy_loss: PolicyLossSpec
+    kl_loss: Optional[KLLossSpec]
+    entropy_coeff: float
+    seed: int
+    """Seeds torch before the model is built, so new weights (LoRA) are equal on every rank."""
+    files: ModelBundle
+    """Tokenizer, processor and generation config written with an HF export."""
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+    update: UpdateSpec
+    cliprange_value: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Settings of the generation engine itself (what validation shares with training)."""
+
+    name: str
+    """``vllm`` or ``hf``."""
+    model_dir: str
+    hf_config: Any
+    hf_config_overrides: dict
+    """``worker.actor.model.override_config``: vLLM loads the model directory itself and applies them."""
+    device: str
+    """``cpu`` or ``cuda``."""
+    dtype: str
+    """Canonical: bf16, fp16 or fp32 (the CPU runs fp32 whatever it says)."""
+    seed: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    enable_chunked_prefill: bool
+    tensor_parallel_size: int
+    limit_images: int
+    disable_log_stats: bool
+    disable_tqdm: bool
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    """Keeps vLLM's image sizes equal to the data pipeline's (``easyvlm.data.images``)."""
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    engine: EngineSpec
+    sampling: "Sampling"
+    """Training sampling (worker.rollout.*; max tokens = data.max_response_length)."""
+    val_sampling: "Sampling"
+    """Training sampling with ``worker.rollout.val_override_config`` applied."""
+    response_length: int
+    tokens: TokenIds
+    per_request_seed: bool
+
+
+def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:
+    """``spec`` with its update's schedule length set (known once the training data is loaded)."""
+    return dataclasses.replace(spec, update=dataclasses.replace(spec.update, total_steps=total_steps))

@@ -1,0 +1,34 @@
+"""Build a role's model sharded over the ranks: load (rank 0 only with ``enable_rank0_init``), then FSDP2."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from easyvlm.config.schema import FSDPConfig
+from easyvlm.models.loading import ModelRole, load_model
+from easyvlm.plan.specs import ModelSpec
+from easyvlm.workers.fsdp import apply_fsdp, fsdp_plan
+
+
+def build_sharded_model(
+    spec: ModelSpec,
+    fsdp: FSDPConfig,
+    *,
+    role: ModelRole,
+    dtype: torch.dtype,
+    padding_free: bool,
+    trainable: bool,
+    device: torch.device,
+    rank: int,
+    key: str,
+) -> nn.Module:
+    """The model of ``spec`` under FSDP2 as ``fsdp`` (config key ``key``) asks. Collective: every
+    rank calls it; with ``enable_rank0_init`` only rank 0 reads the weights, the others build the
+    model on the meta device and receive their shards from rank 0 (easyvlm.workers.fsdp)."""
+    plan = fsdp_plan(fsdp, dist.get_world_size(), device.type, key=key)
+    loaded = load_model(
+        spec, role=role, dtype=dtype, padding_free=padding_free, trainable=trainable, on_meta=not plan.loads_weights(rank)
+    )
+    return apply_fsdp(loaded.model, fsdp, device, key=key)
