@@ -21,6 +21,7 @@ from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.introspect import describe, field_types, is_finite_number, is_section, matches
 from easyvlm.config.schema import (
     ADV_ESTIMATORS,
+    LoraConfig,
     GROUP_ADV_ESTIMATORS,
     POLICY_LOSSES,
     PPOConfig,
@@ -69,6 +70,13 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
     _check_rollout(c)
     _check_trainer(c)
     _check_fsdp(c, "worker.ref.fsdp")
+    if cfg.worker.ref.offload.offload_optimizer:
+        c.add("worker.ref.offload.offload_optimizer", "is true, but the reference model is never trained and has no "
+              "optimizer; remove the key (worker.ref.offload.offload_params moves its weights)")
+    if cfg.trainer.critic_warmup > 0 and cfg.algorithm.adv_estimator != "gae":
+        c.add("trainer.critic_warmup", f"is {cfg.trainer.critic_warmup}, but there is no critic to warm up "
+              f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}): the actor would just not learn for that many "
+              "steps; set 0, or use gae")
     if not cfg.worker.hybrid_engine:
         c.add("worker.hybrid_engine", "is false, but easyvlm always colocates the actor, the reference model and the "
               "rollout engine on each device (EasyR1's hybrid engine); remove the key (true is the default)")
@@ -78,6 +86,12 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
     return c.problems
 
 
+# Engine settings that only vLLM reads (the transformers engine reads dtype, seed and max_num_seqs).
+VLLM_ONLY_ROLLOUT_KEYS = (
+    "limit_images", "gpu_memory_utilization", "enforce_eager", "enable_chunked_prefill", "disable_log_stats", "disable_tqdm",
+)
+
+
 def notices(cfg: PPOConfig) -> list[str]:
     """Settings that are valid but do something the user may not expect (printed at start)."""
     lines = []
@@ -85,6 +99,11 @@ def notices(cfg: PPOConfig) -> list[str]:
     if a.disable_kl and a.use_kl_loss:
         lines.append("algorithm.disable_kl=true turns the KL penalty off, so algorithm.use_kl_loss=true has no effect "
                      "(as in EasyR1); no reference model is built")
+    r, default = cfg.worker.rollout, RolloutConfig()
+    unused = [k for k in VLLM_ONLY_ROLLOUT_KEYS if getattr(r, k) != getattr(default, k)]
+    if r.name == "hf" and unused:
+        lines.append(f"worker.rollout.name=hf: {', '.join(f'worker.rollout.{k}' for k in unused)} configure vLLM and "
+                     "do nothing with transformers' generate")
     return lines
 
 
@@ -358,6 +377,10 @@ def _check_critic(c: _Checks) -> None:
     if model.lora.rank > 0:
         c.add("worker.critic.model.lora.rank", f"is {model.lora.rank}, but LoRA adapters are for the actor only (the "
               "critic trains its value head and backbone in full); set 0")
+    for name in ("alpha", "target_modules", "exclude_modules"):
+        if getattr(model.lora, name) != getattr(LoraConfig(), name):
+            c.add(f"worker.critic.model.lora.{name}", "is set, but LoRA adapters are for the actor only (the critic trains "
+                  "its value head and backbone in full, worker.critic.model.lora.rank is 0); remove it")
     if model.tokenizer_path is not None:
         c.add("worker.critic.model.tokenizer_path", "is set, but the critic reads the token ids the actor's tokenizer "
               "made (worker.actor.model.tokenizer_path); remove it")

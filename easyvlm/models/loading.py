@@ -53,19 +53,32 @@ def load_hf_config(model_dir: str, override_config: dict | None = None, trust_re
     return config
 
 
-def apply_config_overrides(config: Any, overrides: dict, where: str = "model.override_config") -> None:
-    """Set ``overrides`` on ``config`` in place; ``{"text_config": {...}}`` recurses into a sub-config."""
+class UnknownOverrideError(ValueError):
+    """An ``override_config`` key the model's config does not have (``.key``: its dotted path)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def apply_config_overrides(hf_config: Any, overrides: dict, where: str = "model.override_config") -> None:
+    """Set ``overrides`` on ``hf_config`` in place; ``{"text_config": {...}}`` recurses into a
+    sub-config. A key the config does not have raises `UnknownOverrideError`: transformers configs
+    accept any attribute, so a misspelled key would otherwise be accepted and ignored by the model."""
     from transformers import PretrainedConfig
 
     for key, value in overrides.items():
-        current = getattr(config, key, None)
+        current = getattr(hf_config, key, None)
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
             apply_config_overrides(current, value, f"{where}.{key}")
             continue
-        if not hasattr(config, key):
-            # transformers configs accept any attribute; a typo would be silently ignored by the model
-            logger.warning("%s.%s is not an attribute of %s; setting it anyway", where, key, type(config).__name__)
-        setattr(config, key, value)
+        if not hasattr(hf_config, key):
+            known = sorted(k for k in hf_config.to_dict() if not k.startswith("_"))
+            raise UnknownOverrideError(
+                f"{where}.{key}", f"is not an attribute of {type(hf_config).__name__}, so the model would ignore it; "
+                f"check the spelling (its keys: {', '.join(known[:40])}{' ...' if len(known) > 40 else ''})",
+            )
+        setattr(hf_config, key, value)
 
 
 def is_vision_language_config(hf_config: Any) -> bool:

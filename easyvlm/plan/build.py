@@ -141,18 +141,23 @@ def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBun
     return ModelBundle(spec, tokenizer, processor, generation_config, tokens)
 
 
-def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool) -> ModelSpec:
-    """The `ModelSpec` of ``model`` whose files are in ``model_dir`` (loads its config)."""
-    from easyvlm.models.loading import load_hf_config
+def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: str = "worker.actor.model") -> ModelSpec:
+    """The `ModelSpec` of ``model`` whose files are in ``model_dir`` (loads its config; an unknown
+    ``override_config`` key is a ConfigError naming it)."""
+    from easyvlm.models.loading import UnknownOverrideError, load_hf_config
 
     lora = model.lora
     lora_spec = None
     if trainable_lora and lora.rank > 0:
         names = lora_module_names(lora.target_modules)
         lora_spec = LoraSpec(lora.rank, lora.alpha, names if names is not None else lora.target_modules, lora.exclude_modules)
+    try:
+        hf_config = load_hf_config(model_dir, dict(model.override_config), model.trust_remote_code)
+    except UnknownOverrideError as err:
+        raise ConfigError([Problem(err.key.replace("model.override_config", f"{key}.override_config", 1), str(err))]) from err
     return ModelSpec(
         model_dir=model_dir,
-        hf_config=load_hf_config(model_dir, dict(model.override_config), model.trust_remote_code),
+        hf_config=hf_config,
         trust_remote_code=model.trust_remote_code,
         attn_implementation=model.attn_implementation,
         lora=lora_spec,
@@ -233,7 +238,8 @@ def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> Critic
     if critic.model.model_path == cfg.worker.actor.model.model_path and critic.model.override_config == cfg.worker.actor.model.override_config:
         model = dataclasses.replace(bundle.policy, lora=None)
     else:
-        model = model_spec(critic.model, resolve_model_path(critic.model.model_path), trainable_lora=False)
+        model = model_spec(critic.model, resolve_model_path(critic.model.model_path), trainable_lora=False,
+                           key="worker.critic.model")
     model = dataclasses.replace(
         model,
         freeze_vision_tower=critic.model.freeze_vision_tower,
@@ -351,10 +357,17 @@ def device_notices(cfg: PPOConfig, device: str) -> list[str]:
     if device != "cpu":
         return []
     lines = []
-    roles = {"worker.actor": cfg.worker.actor, "worker.ref": cfg.worker.ref, "worker.critic": cfg.worker.critic}
+    roles = {"worker.actor": cfg.worker.actor}  # the roles this run builds
+    if not cfg.algorithm.disable_kl:
+        roles["worker.ref"] = cfg.worker.ref
+    if cfg.algorithm.adv_estimator == "gae":
+        roles["worker.critic"] = cfg.worker.critic
     offloaded = [f"{k}.offload" for k, role in roles.items() if role.offload.offload_params or role.offload.offload_optimizer]
     if offloaded:
         lines.append(f"{', '.join(offloaded)}: offloading moves GPU memory to the host; on the CPU it does nothing")
-    if canonical_dtype(cfg.worker.rollout.dtype) != "fp32" or cfg.worker.actor.fsdp.mp_param_dtype not in ("fp32", "float32"):
-        lines.append("on the CPU models run in float32 (worker.rollout.dtype and the fsdp.mp_* dtypes apply on GPUs)")
+    fsdp = [role.fsdp for role in roles.values()]
+    dtypes = [cfg.worker.rollout.dtype] + [d for f in fsdp for d in (f.mp_param_dtype, f.mp_reduce_dtype, f.mp_buffer_dtype)]
+    if any(canonical_dtype(d) != "fp32" for d in dtypes) or any(f.torch_dtype not in (None, "fp32", "float32") for f in fsdp):
+        lines.append("on the CPU models run in float32 (worker.rollout.dtype, fsdp.torch_dtype and the fsdp.mp_* "
+                     "dtypes apply on GPUs)")
     return lines

@@ -177,6 +177,8 @@ RULES = [
     (["trainer.save_limit=0"], "trainer.save_limit", "-1"),
     (["trainer.project_name="], "trainer.project_name", "must not be empty"),
     (["trainer.logger=[console,console]"], "trainer.logger", "more than once"),
+    (["trainer.critic_warmup=2"], "trainer.critic_warmup", "no critic to warm up"),
+    (["worker.ref.offload.offload_optimizer=true"], "worker.ref.offload.offload_optimizer", "has no optimizer"),
 ]
 
 
@@ -322,3 +324,12 @@ def test_a_logger_whose_package_is_missing_is_refused(tmp_path, monkeypatch):
     assert found == {"trainer.logger": "lists 'wandb', but its package is not installed: pip install 'wandb' "
                                        "(or remove 'wandb' from trainer.logger)"}
     assert find_problems(load_config(BASE + ["trainer.logger=[file,swanlab,mlflow]"]), check_files=True) == []
+
+
+def test_vllm_only_settings_with_the_hf_engine_are_a_notice():
+    from easyvlm.config.validate import notices
+
+    cfg = load_config(BASE + ["worker.rollout.name=hf", "worker.rollout.limit_images=2", "worker.rollout.enforce_eager=true"])
+    assert notices(cfg) == ["worker.rollout.name=hf: worker.rollout.limit_images, worker.rollout.enforce_eager configure "
+                            "vLLM and do nothing with transformers' generate"]
+    assert notices(load_config(BASE + ["worker.rollout.limit_images=2"])) == []  # vLLM reads them

@@ -250,3 +250,27 @@ def test_trust_remote_code_reaches_tokenizer_and_processor(tiny_model_path, monk
         monkeypatch.setattr(auto, "from_pretrained", spy)
     load_tokenizer_and_processor(tiny_model_path, trust_remote_code=trust)
     assert seen == {"AutoTokenizer": trust, "AutoProcessor": trust}
+
+
+def test_override_config_sets_known_keys_and_refuses_unknown_ones(tiny_model_path):
+    from transformers import AutoConfig
+
+    from easyvlm.models.loading import UnknownOverrideError, apply_config_overrides
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    apply_config_overrides(config, {"text_config": {"rms_norm_eps": 1e-5}, "image_token_id": config.image_token_id})
+    assert config.text_config.rms_norm_eps == 1e-5
+    # a misspelled key would be stored and ignored by the model (transformers configs take any attribute)
+    with pytest.raises(UnknownOverrideError, match="is not an attribute of Qwen2_5_VLTextConfig") as info:
+        apply_config_overrides(config, {"text_config": {"rms_norm_epsilon": 1e-5}})
+    assert info.value.key == "model.override_config.text_config.rms_norm_epsilon"
+
+
+def test_an_unknown_override_is_a_config_error_naming_the_key(tiny_model_path):
+    from plan_testing import plan_for
+
+    from easyvlm.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        plan_for(tiny_model_path, "worker.actor.model.override_config={text_config: {rms_norm_epsilon: 1e-5}}")
+    assert info.value.problems[0].key == "worker.actor.model.override_config.text_config.rms_norm_epsilon"

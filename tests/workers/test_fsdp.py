@@ -86,6 +86,24 @@ def test_use_orig_params_changes_nothing():
     assert fsdp_plan(FSDPConfig(use_orig_params=True), 8, "cuda") == fsdp_plan(FSDPConfig(), 8, "cuda")
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp2_keeps_the_original_parameters_either_way(process_group, use_orig_params):
+    # FSDP1's use_orig_params=False flattened parameters into one FlatParameter per unit; FSDP2 keeps
+    # one DTensor per original parameter, with its name, shape and values, whatever the key says
+    from fsdp_testing import SmallNet
+    from torch.distributed.tensor import DTensor
+
+    from easyvlm.workers.fsdp import apply_fsdp
+
+    torch.manual_seed(0)
+    model = SmallNet()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_fsdp(model, FSDPConfig(use_orig_params=use_orig_params), torch.device("cpu"))
+    params = dict(model.named_parameters())
+    assert params.keys() == original.keys()
+    assert all(isinstance(p, DTensor) and torch.equal(p.full_tensor(), original[n]) for n, p in params.items())
+
+
 class _Rotary(torch.nn.Module):
     def __init__(self):
         super().__init__()

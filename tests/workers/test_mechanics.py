@@ -70,3 +70,26 @@ def test_with_dummy_image_adds_a_row_without_response_positions():
     assert out["attention_mask"][1].tolist() == [False, False, False, True]
     assert response_valid_mask(out["attention_mask"], 2)[1].tolist() == [False, False]
     assert out["multi_modal_inputs"][1]["image_grid_thw"].tolist() == [[1, 2, 2]]
+
+
+def test_micro_batches_follow_the_micro_batching_spec():
+    """micro_batch_size_per_device_*, dynamic_batching and max_token_len_per_device (a role's
+    MicroBatching) decide how a rank's samples are cut into forward passes."""
+    from easyvlm.plan.specs import MicroBatching
+    from easyvlm.workers.forward import micro_batches
+    from easyvlm.workers.training import token_budget
+
+    # 5 samples padded to 6 positions, attending 3, 4, 2, 5, 1 tokens
+    lengths = [3, 4, 2, 5, 1]
+    batch = Batch({"input_ids": torch.zeros(5, 6, dtype=torch.long),
+                   "attention_mask": torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]})
+
+    def cut(micro: MicroBatching) -> list[int]:
+        return [len(m) for m in micro_batches(batch, micro.micro_batch_size, token_budget(micro, batch))]
+
+    assert cut(MicroBatching(2, dynamic=False, max_token_len=None)) == [2, 2, 1]
+    assert cut(MicroBatching(3, dynamic=False, max_token_len=None)) == [3, 2]
+    # dynamic, no max_token_len: a budget of micro_batch_size x 6 padded positions = 12 tokens: 3+4+2 | 5+1
+    assert cut(MicroBatching(2, dynamic=True, max_token_len=None)) == [3, 2]
+    # max_token_len 7: 3+4 | 2+5 | 1
+    assert cut(MicroBatching(2, dynamic=True, max_token_len=7)) == [2, 2, 1]

@@ -1,0 +1,373 @@
+"""The driver loop (easyvlm/trainer/loop.py) with its worker groups, reward actor and Ray replaced by
+fakes: what `Trainer` does with each of its own settings (``trainer.*``, ``algorithm.*``,
+``worker.reward.*`` that the loop reads), checked on values, without a model or a Ray session.
+
+The fakes: the hybrid group "generates" ``n`` responses ``ab<eos>`` per prompt and records every
+call; the reward actor scores sample j of prompt i with ``accuracy = ACCURACY[i % 4][j]`` and
+``overall = 1 - accuracy / 2``; the loader hands out prompts p0, p1, ... in order. The plan is the
+real one (tests/plan_testing.py), so every setting arrives as in a run.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from plan_testing import plan_for
+
+from easyvlm.data.batch import Batch
+from easyvlm.rewards.types import RewardResult
+from easyvlm.trainer import loop as loop_module
+from easyvlm.trainer.loop import OnlineFilterError, Trainer
+
+N = 4  # samples per prompt
+# accuracy of sample j of prompt i: ACCURACY[i % 4][j]. Group means: 1, 0.25, 0.75, 0; of
+# overall = 1 - accuracy / 2: 0.5, 0.875, 0.625, 1
+ACCURACY = [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+# a valid GRPO run around the tiny model: 2 prompts x 4 samples per step, 1 rank
+LOOP_OVERRIDES = (
+    "algorithm.adv_estimator=grpo",
+    f"worker.rollout.n={N}",
+    "data.rollout_batch_size=2",
+    "worker.actor.global_batch_size=2",
+    "worker.critic.global_batch_size=2",
+    "trainer.max_steps=3",
+)
+
+
+class FakeLoader:
+    """``rows`` prompts p0, p1, ... in order, ``size`` per batch (the last partial batch dropped);
+    like the real loader, a new iteration continues where the last one stopped."""
+
+    def __init__(self, rows: int, size: int, prefix: str = "p"):
+        self.dataset = list(range(rows))
+        self.size, self.prefix, self.epoch, self.position = size, prefix, 0, 0
+
+    def __iter__(self):
+        while (self.position + 1) * self.size <= len(self.dataset):
+            rows = range(self.position * self.size, (self.position + 1) * self.size)
+            self.position += 1
+            yield Batch(
+                {"input_ids": torch.zeros(self.size, 2, dtype=torch.long)},
+                {"uid": [f"{self.prefix}{i}" for i in rows], "ground_truth": [str(i) for i in rows]},
+            )
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch}
+
+
+class FakeGroup:
+    """A worker group: records every call, answers with fixed tensors."""
+
+    def __init__(self, name, resources, factory, share=1.0, pg=None):
+        self.name, self.pg, self.calls = name, "pg", []
+        self.plan: SimpleNamespace | None = None  # set by make_trainer: tokenizer, eos, n
+
+    def dispatch(self, method: str, batch: Batch, replicas: int = 1, **kwargs):
+        self.calls.append((method, batch, kwargs))
+        B, T = len(batch), batch["responses"].shape[1] if "responses" in batch else 0
+        if method == "generate":
+            return self._generate(batch, kwargs.get("sampling"))
+        if method == "compute_logprobs":
+            return Batch({"old_logprobs": torch.zeros(B, T)})
+        if method == "compute_ref_logprobs":
+            return Batch({"ref_logprobs": torch.full((B, T), -0.1)})  # k1 KL = 0 - (-0.1) = 0.1 per token
+        if method == "compute_values":
+            return Batch({"values": torch.zeros(B, T)})
+        raise AssertionError(method)
+
+    def _generate(self, prompts: Batch, sampling) -> Batch:
+        n = sampling.n if sampling is not None else self.plan.n
+        response = self.plan.tokenizer("ab", add_special_tokens=False)["input_ids"] + [self.plan.eos]
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # interleaved: the n samples of a prompt
+        B, T, P = len(rows), len(response), 2
+        return Batch(
+            {
+                "prompts": torch.zeros(B, P, dtype=torch.long),
+                "input_ids": torch.zeros(B, P + T, dtype=torch.long),
+                "attention_mask": torch.ones(B, P + T, dtype=torch.bool),
+                "responses": torch.tensor([response] * B),
+                "response_mask": torch.ones(B, T, dtype=torch.bool),
+            },
+            {
+                "uid": [prompts["uid"][i] for i, _ in rows],
+                "ground_truth": [prompts["ground_truth"][i] for i, _ in rows],
+                "extra": [{"sample": j} for _, j in rows],
+            },
+        )
+
+    def dispatch_collect(self, method: str, batch: Batch, replicas: int = 1, **kwargs):
+        self.calls.append((method, batch, kwargs))
+        return [{f"{self.name}/loss": 0.0}]
+
+    def call_all(self, method: str, *args, **kwargs):
+        self.calls.append((method, args, kwargs))
+        return [None]
+
+    def methods(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class FakeRewardActor:
+    """``compute.remote(inputs)``: the RewardResult itself (the fake ``ray.get`` returns it)."""
+
+    def __init__(self):
+        self.inputs = []
+        self.compute = SimpleNamespace(remote=self._compute)
+
+    def _compute(self, inputs):
+        self.inputs.append(inputs)
+        accuracy = [ACCURACY[int(x.ground_truth) % 4][x.extra["sample"]] for x in inputs]
+        return RewardResult({"overall": [1 - a / 2 for a in accuracy], "accuracy": accuracy}, {})
+
+
+def make_trainer(monkeypatch, tiny_model_path, tmp_path, *overrides, rows=16, val_rows=2):
+    """A Trainer on the real plan of LOOP_OVERRIDES + ``overrides`` with the fakes above; returns
+    (trainer, fakes) with fakes.hybrid, .critic, .reward, .ray (what the fake Ray module recorded)."""
+    plan = plan_for(tiny_model_path, *LOOP_OVERRIDES, f"trainer.save_checkpoint_path={tmp_path}", *overrides)
+    fakes = SimpleNamespace(groups={}, reward=FakeRewardActor(), ray=SimpleNamespace(timelines=[], reward_cpus=[]))
+    info = SimpleNamespace(tokenizer=plan.bundle.tokenizer, eos=plan.bundle.tokenizer.eos_token_id, n=plan.rollout.sampling.n)
+
+    def group(name, *args, **kwargs):
+        made = FakeGroup(name, *args, **kwargs)
+        made.plan = info
+        fakes.groups[name] = made
+        return made
+
+    def reward_actor(settings, num_cpus):
+        fakes.ray.reward_cpus.append(num_cpus)
+        return fakes.reward
+
+    fake_ray = SimpleNamespace(
+        get=lambda ref: ref, kill=lambda actor: None, timeline=lambda filename: fakes.ray.timelines.append(filename)
+    )
+    monkeypatch.setattr(loop_module, "WorkerGroup", group)
+    monkeypatch.setattr(loop_module, "create_reward_actor", reward_actor)
+    monkeypatch.setattr(loop_module, "ray", fake_ray)
+    size = plan.derived.prompts_per_generation_round
+    val = FakeLoader(val_rows, val_rows, prefix="v") if val_rows else None
+    trainer = Trainer(plan, FakeLoader(rows, size), val, resources=None)
+    fakes.hybrid, fakes.critic = fakes.groups["hybrid"], fakes.groups.get("critic")
+    return trainer, fakes
+
+
+def one_step(trainer: Trainer) -> dict[str, float]:
+    """Training step 1 on the loader's next prompts, as ``fit`` runs it."""
+    trainer.global_step = 1
+    return trainer.train_step(next(iter(trainer.train_loader)))
+
+
+def generate_calls(group: FakeGroup) -> list[str]:
+    """'train' or 'val' per generation call (validation passes the plan's validation sampling)."""
+    return ["val" if "sampling" in kw else "train" for method, _, kw in group.calls if method == "generate"]
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------ the loop's flow
+def test_validation_and_checkpoint_schedule(monkeypatch, tiny_model_path, tmp_path):
+    # 3 steps, validation before training and every 2 steps (and at the last), checkpoints every 2
+    # steps (and at the last), the Ray timeline written at the end
+    timeline = tmp_path / "timeline.json"
+    trainer, fakes = make_trainer(
+        monkeypatch, tiny_model_path, tmp_path, "trainer.val_before_train=true", "trainer.val_freq=2",
+        "trainer.save_freq=2", f"trainer.ray_timeline={timeline}", "data.val_files=builtin:synthetic@val",
+    )
+    trainer.fit()
+    # val at 0, step 1, step 2 + val, step 3 + val (the last step)
+    assert generate_calls(fakes.hybrid) == ["val", "train", "train", "val", "train", "val"]
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert [r["step"] for r in read_jsonl(tmp_path / "experiment_log.jsonl")] == [0, 1, 2, 3]
+    assert fakes.ray.timelines == [str(timeline)]
+
+
+def test_no_validation_no_checkpoint_no_timeline(monkeypatch, tiny_model_path, tmp_path):
+    # the control of the test above: val_before_train=false, val_freq=-1, save_freq=-1, no timeline
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "trainer.val_before_train=false")
+    trainer.fit()
+    assert generate_calls(fakes.hybrid) == ["train"] * 3
+    assert not list(tmp_path.glob("global_step_*")) and fakes.ray.timelines == []
+
+
+def test_val_only_validates_once_and_stops(monkeypatch, tiny_model_path, tmp_path):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "trainer.val_only=true",
+                                  "trainer.val_before_train=false", "data.val_files=builtin:synthetic@val")
+    metrics = trainer.fit()
+    assert generate_calls(fakes.hybrid) == ["val"]
+    assert "update_actor" not in fakes.hybrid.methods()
+    # v0, v1: accuracy (1 + 0.25) / 2 = 0.625, overall (0.5 + 0.875) / 2 = 0.6875
+    assert metrics == {"val/reward_score": pytest.approx(0.6875), "val/accuracy_reward": pytest.approx(0.625)}
+
+
+def test_val_generations_to_log(monkeypatch, tiny_model_path, tmp_path):
+    # 2 validation prompts x 4 samples = 8 samples; the first 3 are logged, in order
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "trainer.val_generations_to_log=3",
+                                  "trainer.val_only=true", "data.val_files=builtin:synthetic@val")
+    trainer.fit()
+    logged = read_jsonl(tmp_path / "val_generations.jsonl")
+    assert [(r["step"], r["ground_truth"], r["response"], r["score"]) for r in logged] == [(0, "0", "ab", 0.5)] * 3
+    # the default, 0: nothing logged
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path / "none", "trainer.val_only=true",
+                              "data.val_files=builtin:synthetic@val")
+    trainer.fit()
+    assert not (tmp_path / "none" / "val_generations.jsonl").exists()
+
+
+def test_save_limit_prunes_the_loops_checkpoints(monkeypatch, tiny_model_path, tmp_path):
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "trainer.val_before_train=false",
+                              "trainer.save_freq=1", "trainer.save_limit=1")
+    trainer.fit()
+    # steps 1, 2, 3 saved; no validation score, so only the latest survives
+    assert [p.name for p in tmp_path.glob("global_step_*")] == ["global_step_3"]
+
+
+@pytest.mark.parametrize("model_only", [False, True])
+def test_save_model_only_exports_the_policy_alone(monkeypatch, tiny_model_path, tmp_path, model_only):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, f"trainer.save_model_only={str(model_only).lower()}")
+    path = trainer.save_checkpoint(None)
+    calls = [(c[0], c[1]) for c in fakes.hybrid.calls]
+    if model_only:
+        assert calls == [("export_hf", (str(tmp_path / ".global_step_0.partial" / "actor" / "huggingface"),))]
+        assert not (path / "trainer_state.pt").exists()
+    else:
+        assert calls == [("save_checkpoint", (str(tmp_path / ".global_step_0.partial"), True))]
+        assert (path / "trainer_state.pt").exists()
+    assert json.loads((path / "COMPLETE").read_text())["model_only"] is model_only
+
+
+def test_critic_warmup_holds_the_actor_back(monkeypatch, tiny_model_path, tmp_path):
+    # gae: the critic updates from step 1; with critic_warmup=2 the actor only at step 3
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.adv_estimator=gae",
+                                  "trainer.critic_warmup=2", "trainer.val_before_train=false")
+    trainer.fit()
+    assert fakes.critic.methods().count("update_critic") == 3
+    assert fakes.hybrid.methods().count("update_actor") == 1
+    # the actor's single update came after the third generation
+    assert fakes.hybrid.methods()[-1] == "update_actor" and generate_calls(fakes.hybrid) == ["train"] * 3
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path / "no_warmup", "algorithm.adv_estimator=gae",
+                                  "trainer.val_before_train=false")
+    trainer.fit()
+    assert fakes.hybrid.methods().count("update_actor") == 3
+
+
+# ------------------------------------------------------------------------------ rewards and advantages
+def test_reward_settings_the_loop_reads(monkeypatch, tiny_model_path, tmp_path):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "worker.reward.num_cpus=3",
+                                  "worker.reward.skip_special_tokens=false")
+    one_step(trainer)
+    assert fakes.ray.reward_cpus == [3]  # the reward actor reserves worker.reward.num_cpus
+    assert {x.response for x in fakes.reward.inputs[0]} == {"ab<|im_end|>"}  # EOS kept
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path / "default")
+    one_step(trainer)
+    assert fakes.ray.reward_cpus == [1] and {x.response for x in fakes.reward.inputs[0]} == {"ab"}
+
+
+def test_advantage_settings_reach_the_estimator(monkeypatch, tiny_model_path, tmp_path):
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.adv_estimator=reinforce_plus_plus",
+                              "algorithm.gamma=0.5", "algorithm.lam=0.7", "algorithm.norm_adv_by_std_in_grpo=false")
+    from easyvlm.algorithms import get_advantage
+
+    assert trainer.advantage_fn is get_advantage("reinforce_plus_plus")
+    seen = []
+    estimator = trainer.advantage_fn
+
+    def spy(inputs):
+        seen.append(inputs)
+        return estimator(inputs)
+
+    trainer.advantage_fn = spy
+    one_step(trainer)
+    assert (seen[0].gamma, seen[0].lam, seen[0].norm_by_std) == (0.5, 0.7, False)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_grpo_advantages_with_and_without_std_normalisation(monkeypatch, tiny_model_path, tmp_path, norm):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, f"algorithm.norm_adv_by_std_in_grpo={str(norm).lower()}",
+                                  "algorithm.disable_kl=true")
+    one_step(trainer)
+    update = [b for m, b, _ in fakes.hybrid.calls if m == "update_actor"][0]
+    # p0 scores 0.5 x 4: advantage 0. p1 scores 0.5, 1, 1, 1: mean 0.875, r - mean = -0.375, 0.125 x 3;
+    # the unbiased std is sqrt((0.375^2 + 3 x 0.125^2) / 3) = 0.25, so with the division: -1.5, 0.5 x 3
+    centred = torch.tensor([0.0] * 4 + [-0.375, 0.125, 0.125, 0.125])
+    expected = centred / (0.25 + 1e-6) if norm else centred
+    # every response token carries its sample's advantage
+    torch.testing.assert_close(update["advantages"][:, 0], expected)
+    torch.testing.assert_close(update["advantages"][:, -1], expected)
+
+
+def test_adaptive_kl_controller_follows_the_step_kl(monkeypatch, tiny_model_path, tmp_path):
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.kl_type=adaptive", "algorithm.kl_coef=0.2",
+                              "algorithm.kl_target=0.05", "algorithm.kl_horizon=100")
+    metrics = one_step(trainer)
+    # the fake reference is 0.1 nats below the old log-probs on every token: KL (k1) 0.1, twice the
+    # target: error clip(0.1 / 0.05 - 1, -0.2, 0.2) = 0.2; 8 samples: 0.2 x (1 + 0.2 x 8 / 100) = 0.2032
+    assert metrics["critic/kl"] == pytest.approx(0.1) and metrics["critic/kl_coef"] == 0.2
+    assert trainer.kl_ctrl.value == pytest.approx(0.2032)
+    # the default fixed controller keeps algorithm.kl_coef
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path / "fixed", "algorithm.kl_coef=0.2")
+    one_step(trainer)
+    assert trainer.kl_ctrl.value == 0.2
+
+
+# ------------------------------------------------------------------------------------- online filtering
+FILTERING = ("algorithm.online_filtering=true", "data.mini_rollout_batch_size=4", "algorithm.disable_kl=true")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kept", "rounds"),
+    [
+        # accuracy means per round of 4 prompts: 1, 0.25, 0.75, 0 -> (0.01, 0.99) keeps p1, p2
+        (["algorithm.filter_key=accuracy"], ["p1", "p2"], 1),
+        # the default filter_key, overall (means 0.5, 0.875, 0.625, 1): p0, p1 (p2 too, but 2 are enough)
+        ([], ["p0", "p1"], 1),
+        # filter_low 0.5: only p2 in round 1, then p6 (same pattern) in round 2
+        (["algorithm.filter_key=accuracy", "algorithm.filter_low=0.5"], ["p2", "p6"], 2),
+        # filter_high 0.5: p1, then p5
+        (["algorithm.filter_key=accuracy", "algorithm.filter_high=0.5"], ["p1", "p5"], 2),
+    ],
+)
+def test_online_filtering_keeps_the_groups_in_range(monkeypatch, tiny_model_path, tmp_path, overrides, kept, rounds):
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, *FILTERING, *overrides)
+    metrics = one_step(trainer)
+    assert trainer._step_uids == kept
+    assert metrics["online_filtering/rounds"] == rounds
+
+
+def test_online_filtering_gives_up_after_max_try_make_batch(monkeypatch, tiny_model_path, tmp_path):
+    # filter_low 0.8: no group qualifies (means 1, 0.25, 0.75, 0): 3 rounds, then the error
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, *FILTERING, "algorithm.filter_key=accuracy",
+                                  "algorithm.filter_low=0.8", "trainer.max_try_make_batch=3")
+    with pytest.raises(OnlineFilterError, match=r"kept 0 of 2 prompt groups after 3 generation rounds"):
+        one_step(trainer)
+    assert generate_calls(fakes.hybrid) == ["train"] * 3
+
+
+def test_without_online_filtering_every_group_is_kept(monkeypatch, tiny_model_path, tmp_path):
+    # the control: the same data and filter bounds with online_filtering off keep p0, p1
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.filter_key=accuracy",
+                              "algorithm.filter_low=0.8", "algorithm.disable_kl=true")
+    one_step(trainer)
+    assert trainer._step_uids == ["p0", "p1"]
+
+
+@pytest.mark.parametrize("per_request_seed", [False, True])
+def test_per_request_seed_seeds_each_generation_call(monkeypatch, tiny_model_path, tmp_path, per_request_seed):
+    from easyvlm.rollout.base import SEED_KEY, mix_seeds
+    from easyvlm.trainer.loop import TRAIN_CALL
+
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "worker.rollout.seed=9",
+                                  f"worker.rollout.per_request_seed={str(per_request_seed).lower()}")
+    one_step(trainer)
+    [prompts] = [b for m, b, _ in fakes.hybrid.calls if m == "generate"]
+    if per_request_seed:  # prompt i of (train call, step 1, round 0) from worker.rollout.seed 9
+        assert prompts[SEED_KEY] == [mix_seeds(9, TRAIN_CALL, 1, 0, i) for i in range(2)]
+    else:
+        assert SEED_KEY not in prompts

@@ -1,0 +1,37 @@
+"""easyvlm/trainer/main.py: how the driver starts or joins Ray (``trainer.ray_address``) and what
+it reserves, without starting Ray (``ray.init`` is recorded)."""
+
+from __future__ import annotations
+
+import pytest
+from plan_testing import plan_for
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture
+def ray_init(monkeypatch):
+    """Calls of ray.init, with Ray reported as not yet running and no RAY_ADDRESS in the environment."""
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_ray_address_joins_that_cluster(tiny_model_path, ray_init):
+    from easyvlm.trainer.main import start_ray
+
+    start_ray(plan_for(tiny_model_path, "trainer.ray_address=10.1.2.3:6379"))
+    [kwargs] = ray_init
+    assert kwargs["address"] == "10.1.2.3:6379" and "num_cpus" not in kwargs
+
+
+def test_without_ray_address_a_local_cluster_with_the_reward_cpus(tiny_model_path, ray_init, monkeypatch):
+    from easyvlm.trainer.main import start_ray
+
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    start_ray(plan_for(tiny_model_path, "worker.reward.num_cpus=3"))
+    [kwargs] = ray_init
+    # max(2 cores, trainer.n_gpus_per_node 1) logical CPUs for the workers + worker.reward.num_cpus 3
+    assert "address" not in kwargs and kwargs["num_cpus"] == 5
