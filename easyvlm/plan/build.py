@@ -138,7 +138,7 @@ def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBun
         )
     except ValueError as err:
         raise ConfigError([Problem(f"{key}.tokenizer_path", str(err))]) from err
-    return ModelBundle(spec, tokenizer, processor, generation_config, tokens)
+    return ModelBundle(spec, tokenizer, processor, generation_config, tokens, tokenizer_dir)
 
 
 def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: str = "worker.actor.model") -> ModelSpec:
@@ -273,6 +273,8 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
         model_dir=bundle.policy.model_dir,
         hf_config=bundle.policy.hf_config,
         hf_config_overrides=dict(cfg.worker.actor.model.override_config),
+        tokenizer_dir=bundle.tokenizer_dir,
+        trust_remote_code=bundle.policy.trust_remote_code,
         device=device,
         dtype=canonical_dtype(r.dtype),
         seed=r.seed,

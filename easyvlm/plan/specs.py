@@ -73,6 +73,9 @@ class ModelBundle:
     generation_config: Any
     """The model directory's ``generation_config.json`` (EOS ids, what an HF export keeps), or None."""
     tokens: TokenIds
+    tokenizer_dir: str
+    """Where the tokenizer and processor were loaded from (the model directory unless
+    ``tokenizer_path`` names another)."""
 
 
 # ------------------------------------------------------------------------------------- forward passes
@@ -213,6 +216,11 @@ class EngineSpec:
     hf_config: Any
     hf_config_overrides: dict
     """``worker.actor.model.override_config``: vLLM loads the model directory itself and applies them."""
+    tokenizer_dir: str
+    """The policy's tokenizer and processor (``worker.actor.model.tokenizer_path``, resolved): vLLM's
+    multimodal processor comes from here, as the data pipeline's does."""
+    trust_remote_code: bool
+    """``worker.actor.model.trust_remote_code``, for the engine's own loading of model and processor."""
     device: str
     """``cpu`` or ``cuda``."""
     dtype: str

@@ -27,6 +27,7 @@ def build_rollout(spec: RolloutSpec) -> RolloutEngine:
     return HFRolloutEngine(
         engine.model_dir,
         hf_config=engine.hf_config,
+        trust_remote_code=engine.trust_remote_code,
         dtype=engine.dtype,
         device=engine.device,
         seed=engine.seed,

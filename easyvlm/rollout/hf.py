@@ -24,10 +24,13 @@ from easyvlm.rollout.base import RolloutEngine, Sampling, mix_seeds
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-def load_generation_model(model_path: str, hf_config: Any, dtype: torch.dtype, device: str) -> torch.nn.Module:
+def load_generation_model(
+    model_path: str, hf_config: Any, dtype: torch.dtype, device: str, trust_remote_code: bool = False
+) -> torch.nn.Module:
     """The model for generation: an image-text-to-text class when transformers maps one, else causal LM."""
     auto = AutoModelForImageTextToText if is_vision_language_config(hf_config) else AutoModelForCausalLM
-    return auto.from_pretrained(model_path, config=hf_config, dtype=dtype).to(device).eval()
+    model = auto.from_pretrained(model_path, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
 
 
 def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
@@ -62,6 +65,7 @@ class HFRolloutEngine(RolloutEngine):
         eos_token_ids: Sequence[int],
         blocked_token_ids: Sequence[int],
         hf_config: Any = None,
+        trust_remote_code: bool = False,
         dtype: str = "fp32",
         device: str = "cpu",
         seed: int = 1,
@@ -75,7 +79,7 @@ class HFRolloutEngine(RolloutEngine):
         torch_dtype = torch.float32 if device == "cpu" else DTYPES.get(dtype, torch.float32)
         if model is None:
             assert hf_config is not None, "HFRolloutEngine(model_path=...) needs the model's hf_config"
-            model = load_generation_model(model_path, hf_config, torch_dtype, device)
+            model = load_generation_model(model_path, hf_config, torch_dtype, device, trust_remote_code)
         self.model = model
         # Neutral defaults: generate() fills every unset field from model.generation_config.
         self.model.generation_config = GenerationConfig()

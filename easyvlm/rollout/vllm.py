@@ -143,6 +143,7 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
         model=engine.model_dir,
+        tokenizer=engine.tokenizer_dir,
         dtype="float32" if on_cpu else DTYPES[engine.dtype],
         seed=engine.seed,
         max_model_len=engine.max_model_len,
@@ -157,7 +158,7 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
         # Sampling comes only from easyvlm's config, never from the model's generation_config.json
         # (Qwen2.5-VL-Instruct's sets top_k=1 and repetition_penalty=1.05).
         generation_config="vllm",
-        trust_remote_code=False,
+        trust_remote_code=engine.trust_remote_code,
     )
     if engine.hf_config_overrides:
         kwargs["hf_overrides"] = dict(engine.hf_config_overrides)

@@ -116,6 +116,7 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.actor.model.freeze_vision_tower", "true", "actor.model.freeze_vision_tower", True),
         ("worker.actor.model.attn_implementation", "eager", "actor.model.attn_implementation", "eager"),
         ("worker.actor.model.trust_remote_code", "true", "actor.model.trust_remote_code", True),
+        ("worker.actor.model.trust_remote_code", "true", "rollout.engine.trust_remote_code", True),
         ("worker.actor.model.override_config", "{text_config: {rms_norm_eps: 0.001}}", "actor.model.hf_config.text_config.rms_norm_eps",
          0.001),
         ("worker.actor.model.override_config", "{text_config: {rms_norm_eps: 0.001}}", "rollout.engine.hf_config_overrides",
@@ -258,6 +259,8 @@ def test_model_paths_choose_the_files(tiny_model_path, tmp_path):
     plan = plan_for(tiny_model_path, f"worker.actor.model.tokenizer_path={tokenizer_dir}")
     assert plan.bundle.tokenizer.name_or_path == str(tokenizer_dir)
     assert plan.bundle.policy.model_dir == tiny_model_path
+    # the engine's processor comes from there too (vLLM: LLM(tokenizer=...)), its weights from model_path
+    assert (plan.rollout.engine.tokenizer_dir, plan.rollout.engine.model_dir) == (str(tokenizer_dir), tiny_model_path)
 
 
 def test_reward_functions_list(tiny_model_path):

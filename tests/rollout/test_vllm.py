@@ -200,6 +200,8 @@ def test_cpu_engine_settings(tiny_model_path):
     assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
     # the context: data.max_prompt_length + data.max_response_length (worker.rollout.max_model_len unset)
     assert kwargs["max_model_len"] == 128 + T and kwargs["model"] == plan.bundle.policy.model_dir
+    # the processor vLLM builds comes from the trainer's tokenizer directory; remote code as configured
+    assert (kwargs["tokenizer"], kwargs["trust_remote_code"]) == (plan.bundle.tokenizer_dir, False)
     assert kwargs["hf_overrides"] == {"text_config": {"initializer_range": INIT_RANGE}}
     # vLLM resizes images with the processor's own limits, as the data pipeline does: the tiny model's
     # preprocessor config has 56x56 = 3136 to 224x224 = 50176 pixels (4 to 64 merged image tokens)
