@@ -38,10 +38,20 @@ import torch
 from torch import Tensor
 
 
+# The tensors of a prompt batch (data/collate.py) that a rollout batch extends over the response.
+PROMPT_TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+# What a prompt batch must hold for generation (raw_prompt_ids: one vision placeholder per image).
+PROMPT_KEYS = (*PROMPT_TENSOR_KEYS, "raw_prompt_ids")
+# The per-sample objects of a prompt batch (data/collate.py).
+PROMPT_OBJECT_KEYS = (
+    "raw_prompt_ids", "images", "original_image_sizes", "multi_modal_inputs", "ground_truth", "uid", "prompt_text", "extra",
+)
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 # What the actor and critic updates read, when present.
 UPDATE_INPUT_KEYS = (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+# What the actor's update always needs (plus old_logprobs off-policy, ref_logprobs with a KL loss).
+POLICY_UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
 
 
 class Batch:

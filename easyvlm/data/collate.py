@@ -23,9 +23,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.data.batch import Batch
-
-OBJECT_KEYS = ("raw_prompt_ids", "images", "original_image_sizes", "multi_modal_inputs", "ground_truth", "uid", "prompt_text", "extra")
+from easyvlm.data.batch import PROMPT_OBJECT_KEYS, Batch
 
 
 def left_pad(sequences: Sequence[Tensor], pad_value: int) -> Tensor:
@@ -48,7 +46,7 @@ def collate_prompts(samples: Sequence[dict[str, Any]], pad_token_id: int) -> Bat
     position_ids = left_pad([s["position_ids"] for s in samples], 0)  # (B, 4, P) or (B, P)
     return Batch(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-        objects={k: [s[k] for s in samples] for k in OBJECT_KEYS},
+        objects={k: [s[k] for s in samples] for k in PROMPT_OBJECT_KEYS},
     )
 
 

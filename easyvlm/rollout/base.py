@@ -25,11 +25,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from torch import Tensor
 
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import PROMPT_KEYS, Batch
 from easyvlm.rollout.postprocess import build_rollout_batch
 
-# What a prompt Batch must hold (see easyvlm/data/batch.py and the data pipeline).
-PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids")
 # Optional object key of a prompt Batch: one int seed per prompt (seeded sampling).
 SEED_KEY = "sampling_seed"
 

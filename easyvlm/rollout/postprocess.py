@@ -12,11 +12,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import PROMPT_TENSOR_KEYS, Batch
 from easyvlm.models.position_ids import extend_position_ids
 
 # The prompt keys that generate() replaces with prompt + response versions.
-PROMPT_TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def pad_responses(responses: Sequence[Sequence[int]], response_length: int, pad_token_id: int) -> Tensor:

@@ -24,20 +24,24 @@ from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.kl import kl_loss
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
 from easyvlm.plan.specs import ActorSpec, ModelBundle
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import dummy_image_for, micro_batches, policy_logprobs_for_batch, policy_token_outputs
+from easyvlm.workers.forward import (
+    ForwardSetup,
+    dummy_image_for,
+    micro_batches,
+    policy_logprobs_for_batch,
+    policy_token_outputs,
+)
 from easyvlm.workers.fsdp import gather_full_state_dict
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget
 from easyvlm.workers.update import MicroLoss, TrainedModel
 
 logger = logging.getLogger(__name__)
-
-UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
 
 
 def update_is_on_policy(optimizer_steps_per_step: int, kl_in_reward: bool) -> bool:
@@ -82,7 +86,7 @@ class ActorWorker:
             trainable=True, device=self.device, rank=rank, key="worker.actor.fsdp",
         )
         self.hf_config = spec.model.hf_config
-        self.dummy_image = dummy_image_for(self.hf_config)
+        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(self.hf_config), self.ulysses)
         # FSDP averages gradients over ranks: this factor makes them the global sum (models/ulysses.py)
         scale = loss_scale(world_size, spec.forward.ulysses_size)
         self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "actor", grad_scale=scale)
@@ -93,14 +97,6 @@ class ActorWorker:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.trained.optimizer
-
-    def _forward_kwargs(self) -> dict[str, Any]:
-        f = self.spec.forward
-        return dict(
-            padding_free=f.padding_free, share_prompts=f.share_prompts, device=self.device,
-            dummy_image=self.dummy_image, blocked_token_ids=f.blocked_token_ids, ulysses=self.ulysses,
-            use_torch_compile=f.use_torch_compile,
-        )
 
     # ------------------------------------------------------------------ experience
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False) -> Batch:
@@ -113,8 +109,8 @@ class ActorWorker:
         self.trained.ensure_loaded()
         micro = self.spec.forward.experience
         logprobs, entropies = policy_logprobs_for_batch(
-            self.model, batch, micro_batch_size=micro.micro_batch_size, budget=token_budget(micro, batch),
-            temperature=self.spec.forward.temperature, with_entropy=with_entropy, **self._forward_kwargs(),
+            self.model, batch, self.setup, micro_batch_size=micro.micro_batch_size, budget=token_budget(micro, batch),
+            with_entropy=with_entropy,
         )
         tensors = {"old_logprobs": logprobs}
         if entropies is not None:
@@ -131,8 +127,7 @@ class ActorWorker:
         values = []
         for chunk, is_dummy in equalize_micro_batches(micro_batches(batch, micro.micro_batch_size, token_budget(micro, batch)), self.device):
             out = policy_token_outputs(
-                self.model, chunk, temperature=self.spec.forward.temperature, with_entropy=False,
-                ref_log_distribution=reference_distribution(chunk), **self._forward_kwargs(),
+                self.model, chunk, self.setup, with_entropy=False, ref_log_distribution=reference_distribution(chunk)
             )
             if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
                 values.append(out["kl_full"].cpu())
@@ -152,7 +147,7 @@ class ActorWorker:
         actor/skipped_steps.
         """
         kl = self.spec.kl_loss
-        batch.require(*UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.penalty != "full" else ()))
+        batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.penalty != "full" else ()))
         assert kl is None or kl.penalty != "full" or self.reference_distribution is not None, "full KL: no reference"
 
         update = self.spec.update
@@ -168,8 +163,8 @@ class ActorWorker:
         mask = micro["response_mask"].to(self.device).bool()
         full_kl = spec.kl_loss is not None and spec.kl_loss.penalty == "full"
         outputs = policy_token_outputs(
-            self.model, micro, temperature=spec.forward.temperature, with_entropy=True,
-            ref_log_distribution=self.reference_distribution(micro) if full_kl else None, **self._forward_kwargs(),
+            self.model, micro, self.setup, with_entropy=True,
+            ref_log_distribution=self.reference_distribution(micro) if full_kl else None,
         )
         logprobs, entropy = outputs["logprobs"], outputs["entropies"]
         # on-policy without old_logprobs: this pass runs with the sampling weights (see update_policy)

@@ -22,7 +22,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import loss_scale, new_ulysses_group
 from easyvlm.plan.specs import CriticSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import dummy_image_for, micro_batches, outputs_with_vision, scatter_response
+from easyvlm.workers.forward import ForwardSetup, dummy_image_for, micro_batches, outputs_with_vision, scatter_response
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget
 from easyvlm.workers.update import MicroLoss, TrainedModel
@@ -42,7 +42,7 @@ class CriticWorker:
             spec.model, spec.fsdp, role="critic", dtype=model_dtype(spec.fsdp, self.device, torch.float32),
             padding_free=spec.forward.padding_free, trainable=True, device=self.device, rank=rank, key="worker.critic.fsdp",
         )
-        self.dummy_image = dummy_image_for(spec.model.hf_config)
+        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses)
         scale = loss_scale(world_size, spec.forward.ulysses_size)  # see models/ulysses.py
         self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "critic", grad_scale=scale)
 
@@ -52,11 +52,7 @@ class CriticWorker:
 
     def _values(self, batch: Batch) -> Tensor:
         """(B, T) values of the states before each response token (0 at padding)."""
-        f = self.spec.forward
-        out, valid = outputs_with_vision(
-            self.model, batch, padding_free=f.padding_free, share_prompts=f.share_prompts,
-            device=self.device, dummy_image=self.dummy_image, lm_head=False, ulysses=self.ulysses,
-        )  # (K, 1)
+        out, valid = outputs_with_vision(self.model, batch, self.setup, lm_head=False)  # (K, 1)
         return scatter_response(out[:, 0].float(), valid)
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
+from easyvlm.plan.specs import ForwardSpec
 from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs, packed_segments
 from easyvlm.models.ulysses import (
     ULYSSES_KWARG,
@@ -157,15 +158,43 @@ def shared_prompt_sources(batch: Batch, prompt_length: int) -> Tensor:
     return torch.tensor(sources, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class ForwardSetup:
+    """How a worker runs its model, fixed for the worker's life (built from its ForwardSpec)."""
+
+    device: torch.device
+    padding_free: bool
+    blocked_token_ids: tuple[int, ...] = ()
+    """The ids the rollout never samples (policy roles; ``easyvlm.rollout.tokens.blocked_token_ids``)."""
+    temperature: float = 1.0
+    """Logits are divided by the rollout temperature before the log-softmax (policy roles)."""
+    share_prompts: bool = False
+    """Padding-free only: consecutive rows with the same prompt and images run the prompt once."""
+    dummy_image: DummyImage | None = None
+    """Added to a micro-batch without images (vision-language models; see ``with_dummy_image``)."""
+    ulysses: UlyssesGroup | None = None
+    """This rank's sequence-parallel group (padding-free only), or None."""
+    use_torch_compile: bool = False
+    """The per-token kernel compiled (:func:`token_kernel`)."""
+
+    @classmethod
+    def of(
+        cls, spec: ForwardSpec, device: torch.device, dummy_image: DummyImage | None, ulysses: UlyssesGroup | None
+    ) -> "ForwardSetup":
+        """A worker's setup: its plan slice's forward settings plus what the worker made itself."""
+        return cls(
+            device=device, padding_free=spec.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
+            temperature=spec.temperature, share_prompts=spec.share_prompts, dummy_image=dummy_image,
+            ulysses=ulysses, use_torch_compile=spec.use_torch_compile,
+        )
+
+
 def response_outputs(
     model: nn.Module,
     batch: Batch,
+    setup: ForwardSetup,
     *,
-    padding_free: bool,
-    device: torch.device,
     lm_head: bool = True,
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
     per_token: PerToken | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Model outputs at the positions predicting the valid response tokens.
@@ -175,13 +204,14 @@ def response_outputs(
     (B, T))``: K = valid.sum(), rows in row-major order of ``valid``; the model's outputs are (K, C),
     C = V (logits) or 1 (values), and ``per_token`` (default: none) maps them to M columns.
     ``lm_head``: the model takes ``logits_to_keep`` (causal LMs), so the head runs on K positions only.
-    ``share_prompts`` (padding-free only): consecutive rows with the same prompt and images run the
-    prompt (and its images) once; the outputs are the same (see ``easyvlm.models.padding_free``).
-    ``ulysses`` (padding-free only): this rank's sequence-parallel group, whose ranks all pass the
-    same ``batch``; each applies ``per_token`` to the positions in its slice of the row, and the
+    ``setup.share_prompts`` (padding-free only): consecutive rows with the same prompt and images run
+    the prompt (and its images) once; the outputs are the same (see ``easyvlm.models.padding_free``).
+    ``setup.ulysses`` (padding-free only): this rank's sequence-parallel group, whose ranks all pass
+    the same ``batch``; each applies ``per_token`` to the positions in its slice of the row, and the
     (K, M) results are summed over the group (differentiably). Reduce with ``per_token`` (log-probs,
     not (K, V) logits) before the results cross ranks.
     """
+    device, padding_free, ulysses = setup.device, setup.padding_free, setup.ulysses
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device).bool()
     position_ids = batch["position_ids"].to(device)
@@ -196,7 +226,7 @@ def response_outputs(
     valid = response_valid_mask(attention_mask, T)  # (B, T)
     items = list(batch.get(MULTI_MODAL_KEY) or [])
     sources = None
-    if padding_free and share_prompts and B > 1:
+    if padding_free and setup.share_prompts and B > 1:
         sources = shared_prompt_sources(batch, P)
         if items:  # a reused prompt's image tokens are not in the packed row: nor are its images
             items = [item for b, item in enumerate(items) if int(sources[b]) == b]
@@ -361,42 +391,28 @@ def micro_batches(batch: Batch, micro_batch_size: int, token_budget: int | None 
 def outputs_with_vision(
     model: nn.Module,
     batch: Batch,
+    setup: ForwardSetup,
     *,
-    padding_free: bool,
-    device: torch.device,
-    dummy_image: DummyImage | None,
     lm_head: bool = True,
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
     per_token: PerToken | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`response_outputs`, after adding ``dummy_image`` to a micro-batch without images
+    """:func:`response_outputs`, after adding ``setup.dummy_image`` to a micro-batch without images
     (vision-language models: every rank runs the vision tower). Returns ((K, M), valid (B, T))."""
     B = len(batch)
     check_no_videos(batch)
-    if dummy_image is not None and not has_images(batch):
-        batch = with_dummy_image(batch, dummy_image)
-    out, valid = response_outputs(
-        model, batch, padding_free=padding_free, device=device, lm_head=lm_head, share_prompts=share_prompts,
-        ulysses=ulysses, per_token=per_token,
-    )
+    if setup.dummy_image is not None and not has_images(batch):
+        batch = with_dummy_image(batch, setup.dummy_image)
+    out, valid = response_outputs(model, batch, setup, lm_head=lm_head, per_token=per_token)
     return out, valid[:B]
 
 
 def policy_token_outputs(
     model: nn.Module,
     batch: Batch,
+    setup: ForwardSetup,
     *,
-    temperature: float,
     with_entropy: bool,
-    padding_free: bool,
-    device: torch.device,
-    dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int],
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
     ref_log_distribution: Tensor | None = None,
-    use_torch_compile: bool = False,
 ) -> dict[str, Tensor]:
     """Per-token outputs of the policy's sampling distribution softmax(logits / temperature) over
     the ids the rollout may sample, (B, T) each, 0 at padding, differentiable:
@@ -407,79 +423,43 @@ def policy_token_outputs(
       K valid positions, :func:`policy_log_distribution`): KL(pi || pi_ref) summed over the vocabulary
       (``algorithm.kl_penalty=full``).
 
-    blocked_token_ids: the rollout's (``easyvlm.rollout.tokens.blocked_token_ids`` of the tokenizer
-    and model config, computed by the driver). ``ulysses``: see :func:`response_outputs` (these
-    per-token values, not the logits, cross ranks). ``use_torch_compile``: the per-token kernel
-    compiled (:func:`token_kernel`)."""
+    Under Ulysses these per-token values, not the logits, cross ranks (:func:`response_outputs`)."""
     from easyvlm.algorithms.kl import kl_full
 
+    device, temperature = setup.device, setup.temperature
     responses = batch["responses"].to(device)
     labels = responses[response_valid_mask(batch["attention_mask"].to(device), responses.shape[1])]  # (K,)
-    blocked = torch.as_tensor(list(blocked_token_ids), dtype=torch.long, device=device)
-    kernel = token_kernel(use_torch_compile)
+    blocked = torch.as_tensor(setup.blocked_token_ids, dtype=torch.long, device=device)
+    kernel = token_kernel(setup.use_torch_compile)
 
     def per_token(logits: Tensor, rows: Tensor) -> Tensor:  # (k, V), (k,) -> (k, 1 | 2 | 3)
         out = kernel(logits, labels[rows], temperature, blocked, with_entropy)
         if ref_log_distribution is None:
             return out
-        log_dist = torch.log_softmax(sampling_logits(logits, temperature, blocked_token_ids), dim=-1)
+        log_dist = torch.log_softmax(sampling_logits(logits, temperature, setup.blocked_token_ids), dim=-1)
         kl = kl_full(log_dist[None], ref_log_distribution[rows].to(log_dist.device)[None])[0]
         return torch.cat([out, kl.unsqueeze(-1)], dim=-1)
 
-    out, valid = outputs_with_vision(
-        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts,
-        ulysses=ulysses, per_token=per_token,
-    )  # (K, 1 | 2 | 3)
+    out, valid = outputs_with_vision(model, batch, setup, per_token=per_token)  # (K, 1 | 2 | 3)
     names = ["logprobs", *(["entropies"] if with_entropy else []), *(["kl_full"] if ref_log_distribution is not None else [])]
     return {name: scatter_response(out[:, i], valid) for i, name in enumerate(names)}
 
 
-def policy_logprobs(
-    model: nn.Module,
-    batch: Batch,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    padding_free: bool,
-    device: torch.device,
-    dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int],
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
-    use_torch_compile: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def policy_logprobs(model: nn.Module, batch: Batch, setup: ForwardSetup, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     """(B, T) log-probs of ``responses`` and, if asked, (B, T) entropies: :func:`policy_token_outputs`."""
-    out = policy_token_outputs(
-        model, batch, temperature=temperature, with_entropy=with_entropy, padding_free=padding_free, device=device,
-        dummy_image=dummy_image, blocked_token_ids=blocked_token_ids, share_prompts=share_prompts, ulysses=ulysses,
-        use_torch_compile=use_torch_compile,
-    )
+    out = policy_token_outputs(model, batch, setup, with_entropy=with_entropy)
     return out["logprobs"], out.get("entropies")
 
 
-def policy_log_distribution(
-    model: nn.Module,
-    batch: Batch,
-    *,
-    temperature: float,
-    padding_free: bool,
-    device: torch.device,
-    dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int],
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
-) -> Tensor:
+def policy_log_distribution(model: nn.Module, batch: Batch, setup: ForwardSetup) -> Tensor:
     """(K, V) log-softmax of the sampling distribution at the positions predicting the K valid
     response tokens (row-major over ``response_valid_mask``), -inf at blocked ids. For the full KL
     (``algorithm.kl_penalty=full``): V floats per token, so it stays in the worker's process."""
 
     def per_token(logits: Tensor, rows: Tensor) -> Tensor:
-        return torch.log_softmax(sampling_logits(logits, temperature, blocked_token_ids), dim=-1)
+        return torch.log_softmax(sampling_logits(logits, setup.temperature, setup.blocked_token_ids), dim=-1)
 
-    out, _ = outputs_with_vision(
-        model, batch, padding_free=padding_free, device=device, dummy_image=dummy_image, share_prompts=share_prompts,
-        ulysses=ulysses, per_token=per_token,
-    )
+    out, _ = outputs_with_vision(model, batch, setup, per_token=per_token)
     return out
 
 
@@ -487,30 +467,19 @@ def policy_log_distribution(
 def policy_logprobs_for_batch(
     model: nn.Module,
     batch: Batch,
+    setup: ForwardSetup,
     *,
     micro_batch_size: int,
     budget: int | None,
-    temperature: float,
     with_entropy: bool,
-    padding_free: bool,
-    device: torch.device,
-    dummy_image: DummyImage | None,
-    blocked_token_ids: Sequence[int],
-    share_prompts: bool = False,
-    ulysses: UlyssesGroup | None = None,
-    use_torch_compile: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
     from easyvlm.workers.training import equalize_micro_batches
 
     model.eval()
     logprobs, entropies = [], []
-    for micro, is_dummy in equalize_micro_batches(micro_batches(batch, micro_batch_size, budget), device):
-        lp, ent = policy_logprobs(
-            model, micro, temperature=temperature, with_entropy=with_entropy,
-            padding_free=padding_free, device=device, dummy_image=dummy_image, blocked_token_ids=blocked_token_ids,
-            share_prompts=share_prompts, ulysses=ulysses, use_torch_compile=use_torch_compile,
-        )
+    for micro, is_dummy in equalize_micro_batches(micro_batches(batch, micro_batch_size, budget), setup.device):
+        lp, ent = policy_logprobs(model, micro, setup, with_entropy=with_entropy)
         if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
             logprobs.append(lp.cpu())
             entropies.append(ent.cpu() if ent is not None else None)

@@ -14,7 +14,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
 from easyvlm.plan.specs import RefSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import dummy_image_for, policy_log_distribution, policy_logprobs_for_batch
+from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_log_distribution, policy_logprobs_for_batch
 from easyvlm.workers.fsdp import load_model_to, offload_model
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, model_dtype, token_budget
@@ -41,7 +41,7 @@ class RefWorker:
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
             padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key="worker.ref.fsdp",
         )
-        self.dummy_image = dummy_image_for(spec.model.hf_config)
+        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses)
         self._offloaded = False
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
@@ -53,12 +53,10 @@ class RefWorker:
         if self._offloaded:
             load_model_to(self.model, self.device)
             self._offloaded = False
-        f = self.spec.forward
+        micro = self.spec.forward.experience
         logprobs, _ = policy_logprobs_for_batch(
-            self.model, batch, micro_batch_size=f.experience.micro_batch_size, budget=token_budget(f.experience, batch),
-            temperature=f.temperature, with_entropy=False, padding_free=f.padding_free, share_prompts=f.share_prompts,
-            device=self.device, dummy_image=self.dummy_image, blocked_token_ids=f.blocked_token_ids, ulysses=self.ulysses,
-            use_torch_compile=f.use_torch_compile,
+            self.model, batch, self.setup, micro_batch_size=micro.micro_batch_size, budget=token_budget(micro, batch),
+            with_entropy=False,
         )
         return Batch({"ref_logprobs": logprobs})
 
@@ -70,11 +68,7 @@ class RefWorker:
             load_model_to(self.model, self.device)
             self._offloaded = False
         self.model.eval()
-        f = self.spec.forward
-        return policy_log_distribution(
-            self.model, batch, temperature=f.temperature, padding_free=f.padding_free, share_prompts=f.share_prompts,
-            device=self.device, dummy_image=self.dummy_image, blocked_token_ids=f.blocked_token_ids, ulysses=self.ulysses,
-        )
+        return policy_log_distribution(self.model, batch, self.setup)
 
     def offload(self) -> None:
         """Move the weights to host memory if ``worker.ref.offload.offload_params`` (no-op on the CPU)."""

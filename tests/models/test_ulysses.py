@@ -131,16 +131,16 @@ def test_bad_ulysses_settings_are_refused_before_any_collective(tiny_model_path)
     and the padded forward are errors that name the setting (no process group is needed to see them)."""
     from transformers import AutoModelForImageTextToText
 
-    from easyvlm.workers.forward import dummy_image_for, outputs_with_vision, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, outputs_with_vision, policy_logprobs
 
     batch = batches(tiny_model_path)["short"]
     blocked = blocked_ids(tiny_model_path)
 
     def run(model, size: int, padding_free: bool = True):
         group = UlyssesGroup(group=None, size=size, rank=0, dp_rank=0, dp_size=1)  # never reached
-        policy_logprobs(model, batch, temperature=1.0, with_entropy=False, padding_free=padding_free,
-                        device=torch.device("cpu"), dummy_image=dummy_image_for(model.config),
-                        blocked_token_ids=blocked, ulysses=group)
+        setup = ForwardSetup(torch.device("cpu"), padding_free, blocked_token_ids=tuple(blocked),
+                             dummy_image=dummy_image_for(model.config), ulysses=group)
+        policy_logprobs(model, batch, setup, with_entropy=False)
 
     varlen = load(tiny_model_path)
     with pytest.raises(ValueError, match=r"worker.actor.ulysses_size=4 does not divide .* num_key_value_heads=2"):
@@ -152,9 +152,9 @@ def test_bad_ulysses_settings_are_refused_before_any_collective(tiny_model_path)
         run(sdpa, 2)
     critic = load(tiny_model_path, "critic")  # the value head: the critic's setting is named
     with pytest.raises(ValueError, match=r"worker.critic.ulysses_size=4 does not divide"):
-        outputs_with_vision(critic, batch, padding_free=True, device=torch.device("cpu"),
-                            dummy_image=dummy_image_for(critic.config), lm_head=False,
-                            ulysses=UlyssesGroup(group=None, size=4, rank=0, dp_rank=0, dp_size=1))
+        group = UlyssesGroup(group=None, size=4, rank=0, dp_rank=0, dp_size=1)
+        setup = ForwardSetup(torch.device("cpu"), True, dummy_image=dummy_image_for(critic.config), ulysses=group)
+        outputs_with_vision(critic, batch, setup, lm_head=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -92,13 +92,11 @@ def logprobs_and_loss(model, batch: Batch, blocked, *, share_prompts: bool, norm
     """policy_logprobs with entropies, and the actor-style loss: token-mean of
     -advantage * logprob - ENTROPY_COEF * entropy, divided by ``normalizer``."""
     from easyvlm.algorithms.aggregation import aggregate_loss
-    from easyvlm.workers.forward import dummy_image_for, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_logprobs
 
-    logprobs, entropies = policy_logprobs(
-        model, batch, temperature=TEMPERATURE, with_entropy=True, padding_free=True, device=torch.device("cpu"),
-        dummy_image=dummy_image_for(model.config), blocked_token_ids=blocked, share_prompts=share_prompts,
-        ulysses=ulysses,
-    )
+    setup = ForwardSetup(torch.device("cpu"), True, blocked_token_ids=tuple(blocked), temperature=TEMPERATURE,
+                         share_prompts=share_prompts, dummy_image=dummy_image_for(model.config), ulysses=ulysses)
+    logprobs, entropies = policy_logprobs(model, batch, setup, with_entropy=True)
     mask = batch["response_mask"]
     token_losses = -batch["advantages"] * logprobs - ENTROPY_COEF * entropies
     return logprobs, entropies, aggregate_loss(token_losses, mask, "token", normalizer)
@@ -107,12 +105,10 @@ def logprobs_and_loss(model, batch: Batch, blocked, *, share_prompts: bool, norm
 def values_and_loss(critic, batch: Batch, *, normalizer: float, ulysses=None):
     """The critic's (B, T) values and a loss linear in them: token-mean of advantage * value."""
     from easyvlm.algorithms.aggregation import aggregate_loss
-    from easyvlm.workers.forward import dummy_image_for, outputs_with_vision, scatter_response
+    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, outputs_with_vision, scatter_response
 
-    out, valid = outputs_with_vision(
-        critic, batch, padding_free=True, device=torch.device("cpu"), dummy_image=dummy_image_for(critic.config),
-        lm_head=False, ulysses=ulysses,
-    )  # (K, 1)
+    setup = ForwardSetup(torch.device("cpu"), True, dummy_image=dummy_image_for(critic.config), ulysses=ulysses)
+    out, valid = outputs_with_vision(critic, batch, setup, lm_head=False)  # (K, 1)
     values = scatter_response(out[:, 0], valid)
     return values, aggregate_loss(batch["advantages"] * values, batch["response_mask"], "token", normalizer)
 

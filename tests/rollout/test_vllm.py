@@ -322,18 +322,18 @@ def test_actor_logprobs_equal_vllm_logprobs(engine, plan, model, prompts, temper
     """policy_logprobs (what the actor and the reference model compute) on vLLM's own samples
     equals vLLM's rollout_logprobs: both are softmax(logits / temperature) without the blocked ids
     (vision placeholders, which the random tiny model gives real probability)."""
-    from easyvlm.workers.forward import dummy_image_for, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_logprobs
 
     out = engine.generate(prompts, with_sampling(engine, n=4, temperature=temperature))
     mask = out["response_mask"]
     # the actor's blocked ids and the engine's come from the plan's one TokenIds
     blocked = plan.actor.forward.blocked_token_ids
     assert blocked == tuple(engine.blocked_token_ids) == plan.rollout.tokens.blocked and len(blocked) == 5
-    kwargs = dict(temperature=temperature, with_entropy=False, padding_free=False, device=torch.device("cpu"),
-                  dummy_image=dummy_image_for(model.config))
+    setup = ForwardSetup(torch.device("cpu"), padding_free=False, blocked_token_ids=blocked, temperature=temperature,
+                         dummy_image=dummy_image_for(model.config))
     with torch.no_grad():
-        actor, _ = policy_logprobs(model, out, blocked_token_ids=blocked, **kwargs)
-        unmasked, _ = policy_logprobs(model, out, blocked_token_ids=(), **kwargs)  # nothing blocked
+        actor, _ = policy_logprobs(model, out, setup, with_entropy=False)
+        unmasked, _ = policy_logprobs(model, out, dataclasses.replace(setup, blocked_token_ids=()), with_entropy=False)
     before = (unmasked - out["rollout_logprobs"])[mask].abs().max()
     after = (actor - out["rollout_logprobs"])[mask].abs().max()
     print(f"temperature {temperature}: max |actor - vLLM| {before:.2e} unmasked, {after:.2e} masked")
