@@ -1,10 +1,11 @@
-"""Built-in models: tiny Qwen2.5-VL-architecture models built offline, and model path resolution.
+"""Built-in models: tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL models built offline, and model path resolution.
 
 ``materialize_model("tiny-qwen2.5-vl")`` writes a Hugging Face-format directory (random float32
-weights from a fixed seed, a byte-level BPE tokenizer with Qwen's special tokens, a Qwen2.5-VL
-processor) into the easyvlm cache once; transformers' Auto classes and vLLM load it as they would
-``Qwen/Qwen2.5-VL-3B-Instruct``. The token ids differ from the real Qwen ones, so code must read
-special-token ids from the tokenizer or the model config.
+weights from a fixed seed, a byte-level BPE tokenizer with Qwen's special tokens, the family's
+processor: image and video processor) into the easyvlm cache once; transformers' Auto classes and
+vLLM load it as they would ``Qwen/Qwen2.5-VL-3B-Instruct``. ``tiny-qwen2-vl`` and ``tiny-qwen3-vl``
+are the same recipe for the other two families (``BuiltinModelSpec.family``). The token ids differ
+from the real Qwen ones, so code must read special-token ids from the tokenizer or the model config.
 
 ``resolve_model_path`` turns what a user writes in ``worker.actor.model.model_path`` into a local
 directory: ``builtin:<name>``, a local directory, or a hub id ``org/name``.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from easyvlm.builtin.synthetic import PALETTE, SHAPES
@@ -62,9 +63,29 @@ CHAT_TEMPLATE = (
 )
 
 
+# The architectures a spec can build: family -> (config, model, processor, video processor) class
+# names in transformers. Qwen3-VL has its own video processor (per-frame timestamps in the prompt).
+FAMILIES = {
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor",
+    ),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+}
+
+
 @dataclass(frozen=True)
 class BuiltinModelSpec:
-    """Sizes of a built-in Qwen2.5-VL. ``mrope_section`` must sum to head_dim / 2."""
+    """Sizes of a built-in Qwen-VL model of ``family`` (a key of FAMILIES).
+
+    ``mrope_section`` must sum to head_dim / 2. Qwen2-VL's vision MLP is ``vision_hidden_size x
+    vision_intermediate_size / vision_hidden_size`` (its config takes an integer ``mlp_ratio``).
+    Fields that only some families use: ``vision_fullatt_block_indexes`` (Qwen2.5-VL's windowed
+    attention), ``vision_deepstack_indexes`` and ``vision_num_position_embeddings`` (Qwen3-VL).
+
+    The fields after ``description`` are left out of ``repr`` and enter :func:`spec_key` only when
+    they differ from their defaults, so the Qwen2.5-VL builds kept their cache keys when they came.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -91,6 +112,12 @@ class BuiltinModelSpec:
     word_tokens: tuple[str, ...] = ()
     seed: int = 0
     description: str = ""
+    family: str = field(default="qwen2_5_vl", repr=False)
+    # Qwen3-VL: vision blocks whose outputs are also added to the first decoder layers' hidden
+    # states at the image tokens (DeepStack), and the size of the learned position-embedding grid
+    # (a square number; interpolated to each image's grid).
+    vision_deepstack_indexes: tuple[int, ...] = field(default=(), repr=False)
+    vision_num_position_embeddings: int = field(default=0, repr=False)
 
 
 _TINY = BuiltinModelSpec(
@@ -114,6 +141,26 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     # The demo's base: the tiny model with the synthetic task's answer words as single tokens.
     "tiny-qwen2.5-vl-words": replace(
         _TINY, word_tokens=(*PALETTE, *SHAPES), description="the CPU demo's base model (answer words are single tokens)"
+    ),
+    # The other two families at the same sizes (tests: every path of the loop runs with each).
+    "tiny-qwen2-vl": replace(_TINY, family="qwen2_vl", vision_fullatt_block_indexes=(), description="tests (Qwen2-VL)"),
+    "tiny-qwen3-vl": replace(
+        _TINY,
+        family="qwen3_vl",
+        # Qwen3-VL's text model has an explicit head_dim (128 by default): 128 / 4 heads = 32 here.
+        # Interleaved mRoPE spreads T/H/W over the 16 rotary pairs as T H W T H W ...: the H and W
+        # sections (5 each, x 3) must fit in them; the real models use [24, 20, 20] of 64 pairs.
+        mrope_section=(6, 5, 5),
+        vision_fullatt_block_indexes=(),
+        patch_size=16,  # factor 32: a 64x64 image gives 4 image tokens, 96x96 gives 9
+        min_pixels=32 * 32 * 4,
+        max_pixels=32 * 32 * 64,
+        # Block 0's output also enters after decoder layer 0 (DeepStack). Not (0, 1): a feature
+        # added after the last decoder layer reaches only the image tokens' own logits, so its
+        # merger would get no gradient.
+        vision_deepstack_indexes=(0,),
+        vision_num_position_embeddings=256,  # a 16 x 16 grid (the real models: 48 x 48)
+        description="tests (Qwen3-VL)",
     ),
     # Benchmarks: the same architecture at ~40 M parameters.
     "bench-qwen2.5-vl": BuiltinModelSpec(
@@ -160,10 +207,17 @@ def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Pa
 
 
 def spec_key(spec: BuiltinModelSpec) -> str:
-    """A short hash of a spec, part of the cache path: an edited spec never loads a stale build."""
+    """A short hash of a spec, part of the cache path: an edited spec never loads a stale build.
+
+    The fields left out of ``repr`` count only when they differ from their defaults (the keys of
+    the Qwen2.5-VL specs are the ones from before those fields existed)."""
     import hashlib
 
-    return hashlib.sha1(repr(spec).encode()).hexdigest()[:8]
+    text = repr(spec)
+    extra = [(f.name, getattr(spec, f.name)) for f in fields(spec) if not f.repr and getattr(spec, f.name) != f.default]
+    if extra:
+        text += repr(extra)
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLike | None = None) -> Path:
@@ -271,17 +325,129 @@ def build_tokenizer(word_tokens: tuple[str, ...] = ()):
     return tokenizer
 
 
+def _model_config(spec: BuiltinModelSpec, ids: dict[str, int], vocab_size: int):
+    """The transformers config of ``spec``: one text model, one vision tower per family."""
+    import transformers
+
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if sum(spec.mrope_section) * 2 != head_dim:
+        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(spec.mrope_section)}
+    text = dict(
+        # Exactly the tokenizer's size: a padded vocabulary lets a random model sample ids that
+        # the tokenizer cannot decode (see STACK.md).
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters=rope,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    patches = dict(
+        patch_size=spec.patch_size,
+        spatial_merge_size=spec.spatial_merge_size,
+        temporal_patch_size=spec.temporal_patch_size,
+    )
+    if spec.family == "qwen2_5_vl":
+        vision = dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            **patches,
+            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
+        )
+    elif spec.family == "qwen2_vl":
+        if spec.vision_intermediate_size % spec.vision_hidden_size:
+            raise ValueError("Qwen2-VL: vision_intermediate_size must be a multiple of vision_hidden_size (mlp_ratio)")
+        vision = dict(
+            depth=spec.vision_depth,
+            embed_dim=spec.vision_hidden_size,
+            hidden_size=spec.hidden_size,  # Qwen2-VL's name for the merger's output size
+            mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
+            num_heads=spec.vision_num_heads,
+            **patches,
+        )
+    elif spec.family == "qwen3_vl":
+        # Qwen3-VL: a separate head_dim, q/k norms, interleaved mRoPE; a ViT with learned position
+        # embeddings and DeepStack features for the first decoder layers.
+        text.update(head_dim=head_dim, rope_parameters=dict(rope, rope_theta=5000000.0, mrope_interleaved=True))
+        if len(spec.vision_deepstack_indexes) >= spec.num_hidden_layers:
+            raise ValueError("Qwen3-VL: DeepStack features enter after decoder layers 0, 1, ...; spare the last one")
+        vision = dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            **patches,
+            deepstack_visual_indexes=list(spec.vision_deepstack_indexes),
+            num_position_embeddings=spec.vision_num_position_embeddings,
+        )
+    else:
+        raise ValueError(f"unknown model family {spec.family!r}; known: {sorted(FAMILIES)}")
+    config_cls = getattr(transformers, FAMILIES[spec.family][0])
+    extra = {}
+    # Qwen2/2.5-VL's configs drop top-level copies of these ids (passed as the Qwen2.5-VL build always
+    # did); Qwen3VLConfig would keep them, where the real Qwen3-VL configs have them in text_config only.
+    if spec.family != "qwen3_vl":
+        extra = dict(
+            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
+        )
+    return config_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        **extra,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+
+
+def _processor(spec: BuiltinModelSpec, tokenizer):
+    """The family's processor: Qwen2-VL's image processor (all three families use it) and the
+    family's video processor, with the spec's patch sizes and pixel limits."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+
+    _, _, processor_name, video_name = FAMILIES[spec.family]
+    common = dict(
+        patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size
+    )
+    if spec.family == "qwen3_vl":
+        # As the real Qwen3-VL preprocessor configs: mean/std 0.5; the video limits count all
+        # frames of a video together (Qwen3-VL's video smart_resize), here up to 8 frames' worth.
+        norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+        pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+        image_processor = Qwen2VLImageProcessor(**pixel_limits, **common, **norm)
+        video_size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels * 8}
+        video_processor = getattr(transformers, video_name)(size=video_size, **common, **norm)
+    else:
+        pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
+        image_processor = Qwen2VLImageProcessor(**pixel_limits, **common)
+        video_processor = getattr(transformers, video_name)(**pixel_limits, **common)
+    return getattr(transformers, processor_name)(
+        image_processor=image_processor,
+        video_processor=video_processor,
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
 def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     """Write model, tokenizer, processor and generation config for ``spec`` into ``out_dir``."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer(spec.word_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -290,54 +456,9 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     if missing:
         raise RuntimeError(f"tokenizer build lost special tokens {missing}")
 
-    head_dim = spec.hidden_size // spec.num_attention_heads
-    if sum(spec.mrope_section) * 2 != head_dim:
-        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-
-    config = Qwen2_5_VLConfig(
-        text_config=dict(
-            # Exactly the tokenizer's size: a padded vocabulary lets a random model sample ids
-            # that the tokenizer cannot decode (see STACK.md).
-            vocab_size=len(tokenizer),
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            max_position_embeddings=spec.max_position_embeddings,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": list(spec.mrope_section),
-            },
-            bos_token_id=ids["<|endoftext|>"],
-            eos_token_id=ids["<|im_end|>"],
-            pad_token_id=ids["<|endoftext|>"],
-        ),
-        vision_config=dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            num_heads=spec.vision_num_heads,
-            out_hidden_size=spec.hidden_size,
-            patch_size=spec.patch_size,
-            spatial_merge_size=spec.spatial_merge_size,
-            temporal_patch_size=spec.temporal_patch_size,
-            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
-        ),
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
+    config = _model_config(spec, ids, len(tokenizer))
     torch.manual_seed(spec.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    model = getattr(transformers, FAMILIES[spec.family][1])(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     # Only ids: vLLM takes sampling defaults (temperature, top_p ...) from this file.
     GenerationConfig(
@@ -346,17 +467,7 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
         pad_token_id=ids["<|endoftext|>"],
     ).save_pretrained(out_dir)
 
-    pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-    common = dict(
-        patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size
-    )
-    processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixel_limits, **common),
-        video_processor=Qwen2VLVideoProcessor(**pixel_limits, **common),
-        tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(out_dir)
+    _processor(spec, tokenizer).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
     n_params = sum(p.numel() for p in model.parameters())

@@ -16,13 +16,14 @@ Rows have the format users bring (EasyR1's): ``{"problem": "<image>...", "answer
 relative to the JSONL file's directory.
 
 Splits never share an (image, question) pair: a sample belongs to the split that a hash of its
-content picks (:func:`_split_of`), whatever the seeds and sizes; each split also draws from its
+content picks (:func:`split_of`), whatever the seeds and sizes; each split also draws from its
 own seed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -82,6 +83,20 @@ BUILTIN_DATASETS: dict[str, SyntheticDatasetSpec] = {
     "synthetic-count": SyntheticDatasetSpec({"count": 1.0}, "counting questions only"),
 }
 
+# Built-in data sets that other modules build: name -> module. The module provides
+# ``dataset_cache_dir`` and ``materialize_dataset`` with the signatures of this module's; it is
+# imported on first use (it imports this module, not the other way round).
+EXTERNAL_DATASETS: dict[str, str] = {
+    "synthetic-video": "easyvlm.builtin.synthetic_video",
+    "synthetic-video-frames": "easyvlm.builtin.synthetic_video",
+    "synthetic-video-direction": "easyvlm.builtin.synthetic_video",
+}
+
+
+def builtin_dataset_names() -> list[str]:
+    """Every name ``builtin:<name>@<split>`` accepts."""
+    return sorted({*BUILTIN_DATASETS, *EXTERNAL_DATASETS})
+
 
 class SyntheticDatasetError(ValueError):
     """A bad request for a synthetic data set (unknown name, split or task)."""
@@ -109,7 +124,7 @@ def normalize_answer(text: str) -> str:
 # Rendering
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: int, cy: int, r: int, fill: tuple[int, int, int]) -> None:
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, cx: int, cy: int, r: int, fill: tuple[int, int, int]) -> None:
     """Draw ``shape`` filling the box [cx-r, cx+r] x [cy-r, cy+r], without anti-aliasing."""
     box = (cx - r, cy - r, cx + r, cy + r)
     if shape == "circle":
@@ -128,7 +143,7 @@ def _render_single(rng: random.Random) -> tuple[Image.Image, str, str]:
     r = rng.randint(8, 18)
     cx, cy = rng.randint(r + 1, SINGLE_SIZE - r - 2), rng.randint(r + 1, SINGLE_SIZE - r - 2)
     image = Image.new("RGB", (SINGLE_SIZE, SINGLE_SIZE), BACKGROUND)
-    _draw_shape(ImageDraw.Draw(image), shape, cx, cy, r, PALETTE[colour])
+    draw_shape(ImageDraw.Draw(image), shape, cx, cy, r, PALETTE[colour])
     return image, shape, colour
 
 
@@ -151,7 +166,7 @@ def _render_count(rng: random.Random) -> tuple[Image.Image, str, int]:
         x0, y0 = (cell % GRID_CELLS) * GRID_CELL, (cell // GRID_CELLS) * GRID_CELL
         cx = x0 + rng.randint(r + 1, GRID_CELL - r - 2)
         cy = y0 + rng.randint(r + 1, GRID_CELL - r - 2)
-        _draw_shape(draw, rng.choice(SHAPES), cx, cy, r, PALETTE[fill])
+        draw_shape(draw, rng.choice(SHAPES), cx, cy, r, PALETTE[fill])
     return image, colour, count
 
 
@@ -173,7 +188,7 @@ def render_sample(task: str, rng: random.Random) -> tuple[Image.Image, dict]:
     return image, row
 
 
-def _png_bytes(image: Image.Image) -> bytes:
+def png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
@@ -184,7 +199,7 @@ def _content_hash(image: Image.Image, problem: str) -> bytes:
     return hashlib.sha256(image.tobytes() + b"\0" + problem.encode()).digest()
 
 
-def _split_of(content_hash: bytes) -> str:
+def split_of(content_hash: bytes) -> str:
     bucket = int.from_bytes(content_hash[:8], "big") % 10
     return next(split for split, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
 
@@ -193,26 +208,26 @@ def _split_of(content_hash: bytes) -> str:
 # Data sets
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
     if split not in SPLIT_SEEDS:
         raise SyntheticDatasetError(f"unknown synthetic split {split!r}; known: {list(SPLIT_SEEDS)}")
 
 
-def _check_tasks(tasks: dict[str, float]) -> None:
-    unknown = [t for t in tasks if t not in QUESTIONS]
-    if unknown or not tasks or any(w < 0 for w in tasks.values()) or sum(tasks.values()) <= 0:
-        raise SyntheticDatasetError(
-            f"bad synthetic task mix {tasks}: give task -> weight (>= 0, not all 0) for tasks in {list(TASKS)}"
-        )
+def distinct_samples(
+    split: str, num_samples: int, tasks: dict[str, float], render, content_hash, known_tasks, seed: int | None = None
+):
+    """Yield ``num_samples`` (media, row) pairs of ``split`` from ``render(task, rng)``, distinct
+    within the split by ``content_hash(media, problem)`` and kept only if the hash picks ``split``.
 
-
-def generate_rows(split: str, num_samples: int, tasks: dict[str, float], seed: int | None = None):
-    """Yield ``num_samples`` (image, row) pairs of ``split``, distinct within the split.
-
-    Deterministic given (split, num_samples, tasks, seed); ``seed`` defaults to the split's own.
+    tasks: task -> sampling weight, tasks from ``known_tasks``. Deterministic given (split,
+    num_samples, tasks, seed); ``seed`` defaults to the split's own. The image and video tasks
+    share it, so their splits follow one rule.
     """
-    _check_split(split)
-    _check_tasks(tasks)
+    check_split(split)
+    if [t for t in tasks if t not in known_tasks] or not tasks or any(w < 0 for w in tasks.values()) or sum(tasks.values()) <= 0:
+        raise SyntheticDatasetError(
+            f"bad synthetic task mix {tasks}: give task -> weight (>= 0, not all 0) for tasks in {list(known_tasks)}"
+        )
     rng = random.Random(SPLIT_SEEDS[split] if seed is None else seed)
     names, weights = sorted(tasks), [tasks[t] for t in sorted(tasks)]
     seen: set[bytes] = set()
@@ -225,12 +240,17 @@ def generate_rows(split: str, num_samples: int, tasks: dict[str, float], seed: i
                 f"tries; ask for fewer samples (num_samples={num_samples})"
             )
         task = rng.choices(names, weights)[0]
-        image, row = render_sample(task, rng)
-        key = _content_hash(image, row["problem"])
-        if key in seen or _split_of(key) != split:
+        media, row = render(task, rng)
+        key = content_hash(media, row["problem"])
+        if key in seen or split_of(key) != split:
             continue
         seen.add(key)
-        yield image, row
+        yield media, row
+
+
+def generate_rows(split: str, num_samples: int, tasks: dict[str, float], seed: int | None = None):
+    """Yield ``num_samples`` (image, row) pairs of ``split``, distinct within the split (:func:`distinct_samples`)."""
+    return distinct_samples(split, num_samples, tasks, render_sample, _content_hash, TASKS, seed)
 
 
 def write_dataset(out_dir: Path, split: str, num_samples: int, tasks: dict[str, float]) -> Path:
@@ -240,7 +260,7 @@ def write_dataset(out_dir: Path, split: str, num_samples: int, tasks: dict[str, 
     with open(jsonl, "w") as f:
         for i, (image, row) in enumerate(generate_rows(split, num_samples, tasks)):
             rel = f"images/{split}_{i:06d}.png"
-            (out_dir / rel).write_bytes(_png_bytes(image))
+            (out_dir / rel).write_bytes(png_bytes(image))
             columns = {"problem": row["problem"], "answer": row["answer"], "images": [rel]}
             row = {**columns, "task": row["task"], "options": row["options"]}
             f.write(json.dumps(row) + "\n")
@@ -251,9 +271,11 @@ def dataset_cache_dir(
     split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic", num_samples: int | None = None
 ) -> Path:
     """The directory ``materialize_dataset`` fills (whether or not it exists yet)."""
+    if name in EXTERNAL_DATASETS:
+        return importlib.import_module(EXTERNAL_DATASETS[name]).dataset_cache_dir(split, cache_dir, name, num_samples)
     if name not in BUILTIN_DATASETS:
-        raise SyntheticDatasetError(f"unknown built-in data set {name!r}; known: {sorted(BUILTIN_DATASETS)}")
-    _check_split(split)
+        raise SyntheticDatasetError(f"unknown built-in data set {name!r}; known: {builtin_dataset_names()}")
+    check_split(split)
     n = DEFAULT_SIZES[split] if num_samples is None else num_samples
     if n <= 0:
         raise SyntheticDatasetError(f"num_samples must be positive, got {n}")
@@ -270,7 +292,11 @@ def materialize_dataset(
 
     ``split``: train (2000 rows by default), val or test (256). ``num_samples`` overrides the size
     (a smaller split is *not* a prefix of a larger one). Images live in ``images/`` beside the file.
+    Names in ``EXTERNAL_DATASETS`` (the video task) are built by their own module.
     """
+    if name in EXTERNAL_DATASETS:
+        module = importlib.import_module(EXTERNAL_DATASETS[name])
+        return module.materialize_dataset(split, cache_dir=cache_dir, name=name, num_samples=num_samples)
     target = dataset_cache_dir(split, cache_dir, name, num_samples)
     n = DEFAULT_SIZES[split] if num_samples is None else num_samples
     build_once(target, lambda out: write_dataset(out, split, n, BUILTIN_DATASETS[name].tasks))
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("splits", nargs="*", default=["train", "val"])
-    parser.add_argument("--name", default="synthetic", choices=sorted(BUILTIN_DATASETS))
+    parser.add_argument("--name", default="synthetic", choices=builtin_dataset_names())
     parser.add_argument("--num-samples", type=int, default=None)
     parser.add_argument("--cache-dir", default=None, help="default: $EASYVLM_CACHE or ~/.cache/easyvlm")
     parser.add_argument("--force", action="store_true", help="delete the cached split first")

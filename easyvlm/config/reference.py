@@ -66,6 +66,11 @@ _BEHAVIOUR = """Behaviour that differs with the same keys:
   then the processor's own limits) in one resize from the original; images so thin that the result
   would not be a fixed point of the processor's resizing are refused with the row named, where
   EasyR1 lets vLLM and the trainer see different sizes.
+- Videos: frames are sampled at `data.video_fps` with qwen-vl-utils' rule and sized like images
+  (qwen-vl-utils' per-frame limits, then the video processor's own); a list of frame images is
+  taken as sampled at `data.video_fps` (EasyR1: always 2 fps). A row can hold images and videos
+  together (EasyR1: one or the other). mRoPE positions after a Qwen2/2.5-VL video follow Qwen's
+  reference code and vLLM (largest position + 1), not transformers 5.19's `get_rope_index`.
 - On the CPU, models run in float32 whatever `worker.rollout.dtype` and `fsdp.mp_*` say, offloading
   does nothing and vLLM runs eagerly with one rank (a notice at start says so).
 - `experiment_log.jsonl` holds flat `key: value` rows (EasyR1 nests them); `generations.log` marks

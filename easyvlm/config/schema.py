@@ -78,7 +78,11 @@ class DataConfig:
     file's directory, then the working directory (EasyR1: the working directory only), so that a
     data set directory can be moved as a whole and EasyR1's working-directory paths still work."""
     video_fps: float = 2.0
-    """Frames per second sampled from videos."""
+    """Frames per second sampled from video files (qwen-vl-utils' rule: at least 4 frames, an even
+    count); a row's list of frame images is taken as sampled at this rate."""
+    video_max_frames: int = 768
+    """easyvlm extra. Most frames kept of one video (qwen-vl-utils' `max_frames`, which EasyR1
+    leaves at 768): a file is sampled at fewer frames, a longer frame list is a bad row."""
     max_prompt_length: int = 512
     """Longest prompt in tokens (image tokens included), P."""
     max_response_length: int = 512

@@ -207,9 +207,9 @@ def _check_data(c: _Checks) -> None:
     c.at_least("data.max_prompt_length", 1)
     c.at_least("data.max_response_length", 1)
     c.at_least("data.val_batch_size", 1, allow=(-1,), why=" (-1 = the whole validation set)")
-    if c.positive("data.video_fps") and d.video_fps != 2.0:
-        c.add("data.video_fps", f"is {d.video_fps}, but easyvlm does not read videos yet (rows with a `videos` column are "
-              "refused); remove the key (2.0, the default) until video support lands")
+    c.positive("data.video_fps")
+    if c.at_least("data.video_max_frames", 4) and d.video_max_frames % 2:
+        c.add("data.video_max_frames", f"({d.video_max_frames}) must be even: Qwen-VL models take frames in pairs")
     c.at_least("data.filter_overlong_prompts_workers", 1)
     c.at_least("data.seed", 0)
     pixels_ok = c.at_least("data.min_pixels", 1) & c.at_least("data.max_pixels", 1)
@@ -585,7 +585,7 @@ def _check_trainer(c: _Checks) -> None:
 
 # ------------------------------------------------------------------------------- model and device
 # Vision-language model types whose mRoPE position ids easyvlm computes (easyvlm.models.position_ids).
-MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]:

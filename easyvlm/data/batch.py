@@ -44,7 +44,8 @@ PROMPT_TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
 PROMPT_KEYS = (*PROMPT_TENSOR_KEYS, "raw_prompt_ids")
 # The per-sample objects of a prompt batch (data/collate.py).
 PROMPT_OBJECT_KEYS = (
-    "raw_prompt_ids", "images", "original_image_sizes", "multi_modal_inputs", "ground_truth", "uid", "prompt_text", "extra",
+    "raw_prompt_ids", "images", "original_image_sizes", "videos", "multi_modal_inputs", "ground_truth", "uid",
+    "prompt_text", "extra",
 )
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")

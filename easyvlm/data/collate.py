@@ -6,10 +6,12 @@ A prompt Batch (from :func:`collate_prompts`):
              attention_mask  (B, P) bool, True = real token
              position_ids    (B, 4, P) int64 for mRoPE models (row 0 text, rows 1..3 T/H/W), else (B, P);
                              0 at padding. transformers wants (4, B, P): models.position_ids.to_model_layout
-    objects  raw_prompt_ids  list[int] per sample, unpadded, ONE image token per image: the ids vLLM
-                             gets (it expands each image to exactly the tokens in input_ids)
+    objects  raw_prompt_ids  list[int] per sample, unpadded, ONE pad token per image and video: the ids
+                             vLLM gets (it expands each to exactly the tokens in input_ids)
              images          list of fitted PIL images per sample (what vLLM gets; [] for text-only)
-             multi_modal_inputs  dict per sample: pixel_values (N_patches, D), image_grid_thw (N_img, 3); {} if none
+             videos          list of easyvlm.data.videos.Video per sample (sampled, fitted frames; [] if none)
+             multi_modal_inputs  dict per sample: pixel_values (N_patches, D), image_grid_thw (N_img, 3),
+                             pixel_values_videos, video_grid_thw, second_per_grid_ts (Qwen2.5-VL); {} if none
              ground_truth, uid, prompt_text, extra (dict of the row's other columns)
 
 For a (micro-)batch forward, :func:`concat_multi_modal_inputs` joins the samples' vision inputs in

@@ -36,6 +36,7 @@ from easyvlm.data.images import (
 )
 from easyvlm.data.loading import DataError, RowSource, describe, json_list_or_value, load_sources
 from easyvlm.data.prompts import PromptError, build_messages, render_prompt, resolve_chat_template
+from easyvlm.data.videos import Video, load_video, uncapped_frame_kwargs
 from easyvlm.models.position_ids import get_position_ids
 
 logger = logging.getLogger(__name__)
@@ -79,32 +80,21 @@ class DatasetReport:
 class EncodedPrompt:
     """One tokenized prompt.
 
-    input_ids: (P,) unpadded, each image expanded to its tokens (what the training forward sees).
-    raw_prompt_ids: the same with ONE image token per image (what vLLM gets with ``images``; it
-    expands them itself, to the same ``input_ids`` because the images are fitted).
+    input_ids: (P,) unpadded, each image and video expanded to its tokens (what the training
+    forward sees). raw_prompt_ids: the chat-template text's tokens, ONE pad token per image and
+    video (what vLLM gets with ``images`` and ``videos``; it expands them itself, to the same
+    ``input_ids`` because the images and frames are fitted).
     """
 
     input_ids: list[int]
     raw_prompt_ids: list[int]
     images: list  # PIL images after fit_image
-    multi_modal_inputs: dict[str, Tensor]  # pixel_values (N_patches, D), image_grid_thw (N_img, 3); {} if none
-    prompt_text: str  # the chat-template text (one image pad token per image), before any truncation
+    # pixel_values (N_patches, D), image_grid_thw (N_img, 3); for videos pixel_values_videos,
+    # video_grid_thw (N_vid, 3) and, for Qwen2.5-VL, second_per_grid_ts (N_vid,); {} if none
+    multi_modal_inputs: dict[str, Tensor]
+    prompt_text: str  # the chat-template text (one pad token per image and video), before any truncation
     original_image_sizes: list = dataclasses.field(default_factory=list)  # (width, height) before fit_image
-
-
-def collapse_image_tokens(input_ids: list[int], image_token_id: int, tokens_per_image: list[int]) -> list[int]:
-    """Replace the ``tokens_per_image[k]`` tokens of image k by one ``image_token_id`` (images in order)."""
-    out: list[int] = []
-    i, k = 0, 0
-    while i < len(input_ids):
-        if input_ids[i] == image_token_id and k < len(tokens_per_image):
-            out.append(image_token_id)
-            i += tokens_per_image[k]
-            k += 1
-        else:
-            out.append(input_ids[i])
-            i += 1
-    return out
+    videos: list[Video] = dataclasses.field(default_factory=list)  # sampled and fitted frames
 
 
 class PromptEncoder:
@@ -148,6 +138,8 @@ class PromptEncoder:
             self.image_token_id = int(
                 getattr(model_config, "image_token_id", None) or getattr(processor, "image_token_id")
             )
+            video_token_id = getattr(model_config, "video_token_id", None) or getattr(processor, "video_token_id", None)
+            self.video_token_id = int(video_token_id) if video_token_id is not None else None
         if self.tokenizer is None:
             raise ValueError("PromptEncoder needs a tokenizer or a processor")
         self.pad_token_id = _pad_token_id(self.tokenizer)
@@ -158,6 +150,35 @@ class PromptEncoder:
         if value is None or (isinstance(value, str) and not value.strip()):
             return []
         return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def raw_videos(self, row: dict) -> list:
+        """The row's videos: each a file path (or {"path": ...}) or a list of frame images.
+
+        A bare string is one video; a list of strings is a list of video files (EasyR1's rows), and
+        a list of lists is a list of frame lists."""
+        value = json_list_or_value(row.get(self.video_key))
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return []
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def load_videos(self, row: dict, base_dir: Any) -> list[Video]:
+        videos = []
+        for k, value in enumerate(self.raw_videos(row)):
+            try:
+                videos.append(
+                    load_video(
+                        value,
+                        [self.image_dir] if self.image_dir else [base_dir, os.getcwd()],
+                        self.processor,
+                        fps=self.config.video_fps,
+                        max_frames=self.config.video_max_frames,
+                        min_pixels=self.min_pixels,
+                        max_pixels=self.max_pixels,
+                    )
+                )
+            except ImageLoadError as err:  # VideoLoadError included
+                raise RowError(f"{self.video_key}[{k}]: {err}") from err
+        return videos
 
     def load_images(self, row: dict, base_dir: Any) -> tuple[list, list]:
         """(fitted images, their (width, height) before fitting)."""
@@ -189,15 +210,17 @@ class PromptEncoder:
         content = row[self.prompt_key]
         if not isinstance(content, str):
             raise RowError(f"{self.prompt_key!r} must be a string, got {type(content).__name__}")
-        videos = json_list_or_value(row.get(self.video_key))
-        if videos:
-            raise RowError(f"videos are not supported yet: the row has a non-empty {self.video_key!r} column")
-        if self.raw_images(row) and self.processor is None:
-            raise RowError("the row has images but the model has no image processor (text-only model)")
+        if (self.raw_images(row) or self.raw_videos(row)) and self.processor is None:
+            raise RowError("the row has images or videos but the model has no image processor (text-only model)")
         images, sizes = self.load_images(row, base_dir) if self.processor is not None else ([], [])
+        videos = self.load_videos(row, base_dir) if self.processor is not None else []
+        if videos and self.video_token_id is None:
+            raise RowError("the row has videos but the model config has no video_token_id (the model cannot take videos)")
         try:
             text = render_prompt(content, row, self.format_prompt)
-            messages = build_messages(text, len(images), self.system_prompt, multimodal=self.processor is not None)
+            messages = build_messages(
+                text, len(images), self.system_prompt, multimodal=self.processor is not None, num_videos=len(videos)
+            )
         except PromptError as err:
             raise RowError(str(err)) from err
 
@@ -211,33 +234,52 @@ class PromptEncoder:
         prompt_text = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
         )
-        # do_resize=False: the images are already fitted; the processor must not resize again.
+        # do_resize=False: the images and frames are already fitted; the processor must not resize
+        # again. do_sample_frames=False: the frames are already sampled (data.video_fps); the
+        # metadata says when they were taken (Qwen2.5-VL's second_per_grid_ts, Qwen3-VL's timestamps).
+        video_kwargs: dict[str, Any] = {}
+        if videos:
+            video_kwargs = dict(
+                videos=[v.frames for v in videos],
+                video_metadata=[v.transformers_metadata() for v in videos],
+                do_sample_frames=False,
+                **uncapped_frame_kwargs(self.processor),
+            )
         out = self.processor(
             text=[prompt_text],
             images=images or None,
             do_resize=False,
             add_special_tokens=False,
             return_tensors="pt",
+            **video_kwargs,
         )
         input_ids = out["input_ids"][0].tolist()
         mm = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]} if images else {}
-        found, expected = input_ids.count(self.image_token_id), sum(self.tokens_per_image(mm))
-        if found != expected:
-            raise RowError(
-                f"the tokenized prompt has {found} image tokens but its {len(images)} image(s) give {expected} "
-                f"features (does the text contain the image pad token literally?)"
-            )
-        return EncodedPrompt(input_ids, self.raw_ids(input_ids, mm), images, mm, prompt_text, sizes)
+        if videos:
+            mm.update(pixel_values_videos=out["pixel_values_videos"], video_grid_thw=out["video_grid_thw"])
+            if out.get("second_per_grid_ts") is not None:  # Qwen2.5-VL
+                mm["second_per_grid_ts"] = torch.as_tensor(out["second_per_grid_ts"], dtype=torch.float32).reshape(-1)
+        for kind, token_id, grid_key, count in (
+            ("image", self.image_token_id, "image_grid_thw", len(images)),
+            ("video", self.video_token_id, "video_grid_thw", len(videos)),
+        ):
+            found, expected = input_ids.count(token_id), sum(self.vision_tokens(mm, grid_key))
+            if found != expected:
+                raise RowError(
+                    f"the tokenized prompt has {found} {kind} tokens but its {count} {kind}(s) give {expected} "
+                    f"features (does the text contain the {kind} pad token literally?)"
+                )
+        raw_prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        return EncodedPrompt(input_ids, raw_prompt_ids, images, mm, prompt_text, sizes, videos)
 
-    def tokens_per_image(self, mm: dict[str, Tensor]) -> list[int]:
-        """Image tokens (= vision tower features) of each image: t * h * w / merge_size**2."""
-        return (mm["image_grid_thw"].prod(-1) // self.merge_size**2).tolist() if mm else []
+    def vision_tokens(self, mm: dict[str, Tensor], grid_key: str = "image_grid_thw") -> list[int]:
+        """Tokens (= vision tower features) of each image or video: t * h * w / merge_size**2."""
+        grid = mm.get(grid_key)
+        return (grid.prod(-1) // self.merge_size**2).tolist() if grid is not None else []
 
-    def raw_ids(self, input_ids: list[int], mm: dict[str, Tensor]) -> list[int]:
-        """``input_ids`` with one image token per image (what vLLM gets)."""
-        if not mm:
-            return list(input_ids)
-        return collapse_image_tokens(input_ids, self.image_token_id, self.tokens_per_image(mm))
+    def count_vision_tokens(self, input_ids: list[int]) -> int:
+        ids = {self.image_token_id, self.video_token_id} - {None}
+        return sum(1 for t in input_ids if t in ids)
 
     def apply_length_policy(self, enc: EncodedPrompt) -> EncodedPrompt:
         """Truncate (left/right) or refuse (error) a prompt longer than data.max_prompt_length."""
@@ -251,20 +293,27 @@ class PromptEncoder:
                 f"(data.prompt_truncation=error); raise max_prompt_length, lower data.max_pixels, set "
                 f"data.filter_overlong_prompts=true to drop such rows, or prompt_truncation=left/right"
             )
-        kept = enc.input_ids[n - limit :] if self.truncation == "left" else enc.input_ids[:limit]
-        if enc.images and kept.count(self.image_token_id) != enc.input_ids.count(self.image_token_id):
+        cut = n - limit
+        kept = enc.input_ids[cut:] if self.truncation == "left" else enc.input_ids[:limit]
+        if (enc.images or enc.videos) and self.count_vision_tokens(kept) != self.count_vision_tokens(enc.input_ids):
             raise RowError(
                 f"the prompt has {n} tokens, more than data.max_prompt_length={limit}, and truncating it "
-                f"({self.truncation}) would cut image tokens; raise max_prompt_length or lower data.max_pixels"
+                f"({self.truncation}) would cut image or video tokens; raise max_prompt_length, lower "
+                f"data.max_pixels or (videos) data.video_fps"
             )
-        return dataclasses.replace(enc, input_ids=kept, raw_prompt_ids=self.raw_ids(kept, enc.multi_modal_inputs))
+        # The cut tokens are text (no vision token was cut), the same in input_ids and raw ids.
+        raw = enc.raw_prompt_ids
+        raw = raw[cut:] if self.truncation == "left" else raw[: len(raw) - cut]
+        return dataclasses.replace(enc, input_ids=kept, raw_prompt_ids=raw)
 
     def position_ids(self, enc: EncodedPrompt) -> Tensor:
         """(4, P) for mRoPE models, (P,) otherwise."""
         ids = torch.tensor([enc.input_ids], dtype=torch.long)
         mask = torch.ones_like(ids, dtype=torch.bool)
-        grid = enc.multi_modal_inputs.get("image_grid_thw")
-        return get_position_ids(ids, mask, grid, None, self.model_config)[0]
+        mm = enc.multi_modal_inputs
+        return get_position_ids(
+            ids, mask, mm.get("image_grid_thw"), mm.get("video_grid_thw"), self.model_config, mm.get("second_per_grid_ts")
+        )[0]
 
 
 def _pad_token_id(tokenizer: Any) -> int:
@@ -362,8 +411,9 @@ class RLDataset(torch.utils.data.Dataset):
         """One sample:
 
         input_ids (P,) int64 · position_ids (4, P) or (P,) int64 · raw_prompt_ids list[int]
-        (input_ids with one image token per image, for vLLM) · images list[PIL] · original_image_sizes
-        list[(width, height)] before resizing (for rewards that rescale boxes) · multi_modal_inputs dict · ground_truth ·
+        (input_ids with one pad token per image and video, for vLLM) · images list[PIL] · original_image_sizes
+        list[(width, height)] before resizing (for rewards that rescale boxes) · videos list[Video] ·
+        multi_modal_inputs dict · ground_truth ·
         uid str · prompt_text str · extra dict (the row's other columns).
         """
         source_id, row_id, uid_number = self.index[i]
@@ -380,6 +430,7 @@ class RLDataset(torch.utils.data.Dataset):
             "raw_prompt_ids": enc.raw_prompt_ids,
             "images": enc.images,
             "original_image_sizes": enc.original_image_sizes,
+            "videos": enc.videos,
             "multi_modal_inputs": enc.multi_modal_inputs,
             "ground_truth": row[self.encoder.answer_key],
             "uid": f"{self.name}-{uid_number}",

@@ -192,14 +192,17 @@ def fit_image(
     return image
 
 
-def resolve_image_path(path: str | os.PathLike, search_dirs: Sequence[str | os.PathLike | None]) -> Path:
+def resolve_image_path(
+    path: str | os.PathLike, search_dirs: Sequence[str | os.PathLike | None], kind: str = "image"
+) -> Path:
     """The existing file ``path`` names: itself if absolute, else the first ``search_dirs[i] / path``.
 
     search_dirs: directories tried in order for a relative path; None entries are skipped (a hub
     data set has no file directory); none at all = the working directory only. easyvlm passes
     ``[data.image_dir]`` when it is set, else the data file's directory and then the working
     directory (EasyR1 joins data.image_dir, or opens the path from the working directory).
-    Raises ImageLoadError naming the path as given and every place tried.
+    Raises ImageLoadError naming the ``kind`` of file ("image", "video"), the path as given and
+    every place tried.
     """
     if isinstance(search_dirs, (str, bytes, os.PathLike)) or search_dirs is None:
         raise TypeError(f"search_dirs must be a list of directories, got {search_dirs!r}; wrap one directory in [...]")
@@ -207,14 +210,14 @@ def resolve_image_path(path: str | os.PathLike, search_dirs: Sequence[str | os.P
     if given.is_absolute():
         if given.is_file():
             return given
-        raise ImageLoadError(f"image file {os.fspath(path)!r} does not exist")
+        raise ImageLoadError(f"{kind} file {os.fspath(path)!r} does not exist")
     dirs = list(dict.fromkeys(Path(d) for d in search_dirs if d is not None)) or [Path.cwd()]  # order kept
     for directory in dirs:
         if (directory / given).is_file():
             return directory / given
     tried = ", ".join(repr(str(d)) for d in dirs)
     raise ImageLoadError(
-        f"image file {os.fspath(path)!r} does not exist in any of the directories tried: {tried}. "
+        f"{kind} file {os.fspath(path)!r} does not exist in any of the directories tried: {tried}. "
         f"Relative paths resolve against data.image_dir if it is set, else the data file's directory, "
         f"then the working directory"
     )
@@ -316,18 +319,28 @@ def _field(size: Any, key: str) -> Any:
     return getattr(size, key, None)
 
 
-def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, int]]:
-    """``mm_processor_kwargs`` that make vLLM resize images with the processor's own limits.
+def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, Any]]:
+    """``mm_processor_kwargs`` that make vLLM resize images and video frames with the processor's limits.
 
     processor: the multimodal processor the data pipeline uses (the one :func:`processor_pixel_limits`
     reads); ``{}`` for a text-only model (a tokenizer, or None). vLLM runs ``smart_resize`` on every
     image (EasyR1's stage 2); with the processor's limits, images from :func:`fit_image` are a fixed
-    point and keep their token counts. The limits go in transformers 5's form, ``size={"shortest_edge": min_pixels,
-    "longest_edge": max_pixels}`` (pixel counts, despite the names); ``min_pixels=`` /
-    ``max_pixels=`` are deprecated. vLLM would read the same limits from the model's preprocessor
-    config; passing them keeps both sides on one processor even if vLLM loads another directory.
+    point and keep their token counts. Likewise video frames (easyvlm.data.videos) with the video
+    processor's limits. The limits go per modality (``images_kwargs`` / ``videos_kwargs``: a flat
+    ``size`` would reach the video processor too, and Qwen3-VL's two processors have different
+    limits), in transformers 5's form ``size={"shortest_edge": min_pixels, "longest_edge":
+    max_pixels}`` (pixel counts, despite the names). vLLM would read the same limits from the
+    model's preprocessor configs; passing them keeps both sides on one processor even if vLLM loads
+    another directory.
     """
+    from easyvlm.data.videos import uncapped_frame_kwargs  # videos build on images
+
     if _image_processor(processor) is None:
         return {}
     min_pixels, max_pixels = processor_pixel_limits(processor)
-    return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
+    kwargs: dict[str, dict[str, Any]] = {"images_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}}
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is not None:
+        low, high = processor_pixel_limits(video_processor)
+        kwargs["videos_kwargs"] = {"size": {"shortest_edge": low, "longest_edge": high}, **uncapped_frame_kwargs(processor)}
+    return kwargs

@@ -3,10 +3,11 @@
 - ``data.format_prompt``: a Jinja file rendered with ``content`` (the question) and every column
   of the row by name (``{{ content }}``, ``{{ answer }}``, ...). Undefined names are errors, so a
   typo in the template fails on the first row instead of silently rendering "".
-- ``<image>`` (and ``<video>``) in the rendered text mark where each image goes, in order; the
-  text is split there into the chat content list ``[{"type": "text"}, {"type": "image"}, ...]``.
-  The number of placeholders must equal the number of images. A row with images and no
-  placeholder gets all its images first, then the text (EasyR1 and Qwen's examples do the same).
+- ``<image>`` and ``<video>`` in the rendered text mark where each image and video goes, in order;
+  the text is split there into the chat content list ``[{"type": "text"}, {"type": "image"},
+  {"type": "video"}, ...]``. The number of placeholders of a kind must equal the number of items
+  of that kind. A row with images (videos) and no such placeholder gets them all first, then the
+  text (EasyR1 and Qwen's examples do the same).
 - ``data.system_prompt``: an optional system message before the user turn.
 """
 
@@ -62,46 +63,52 @@ def count_placeholders(text: str) -> tuple[int, int]:
     return text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER)
 
 
-def build_content(text: str, num_images: int) -> list[dict[str, Any]]:
-    """The chat content list for ``text`` with ``num_images`` images.
+def build_content(text: str, num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
+    """The chat content list for ``text`` with ``num_images`` images and ``num_videos`` videos.
 
-    ``"a <image> b <image>"`` -> text "a ", image, text " b ", image. Without placeholders the
-    images come first. Raises PromptError when placeholders and images disagree.
+    ``"a <image> b <video>"`` -> text "a ", image, text " b ", video. Each kind is placed on its own:
+    a kind without placeholders goes before the text (images, then videos); a kind with
+    placeholders needs exactly one per item. Raises PromptError when they disagree.
     """
     n_image_tags, n_video_tags = count_placeholders(text)
-    if n_video_tags:
-        raise PromptError("videos are not supported yet: the prompt has a <video> placeholder")
-    if n_image_tags == 0:
-        items: list[dict[str, Any]] = [{"type": "image"} for _ in range(num_images)]
-        return items + ([{"type": "text", "text": text}] if text else [])
-    if n_image_tags != num_images:
-        raise PromptError(
-            f"the prompt has {n_image_tags} {IMAGE_PLACEHOLDER} placeholder(s) but the row has {num_images} image(s); "
-            f"use one placeholder per image, or none (then all images go before the text)"
-        )
-    items = []
+    for kind, placeholder, tags, count in (
+        ("image", IMAGE_PLACEHOLDER, n_image_tags, num_images),
+        ("video", VIDEO_PLACEHOLDER, n_video_tags, num_videos),
+    ):
+        if tags and tags != count:
+            raise PromptError(
+                f"the prompt has {tags} {placeholder} placeholder(s) but the row has {count} {kind}(s); "
+                f"use one placeholder per {kind}, or none (then all {kind}s go before the text)"
+            )
+    items: list[dict[str, Any]] = []
+    if not n_image_tags:
+        items += [{"type": "image"} for _ in range(num_images)]
+    if not n_video_tags:
+        items += [{"type": "video"} for _ in range(num_videos)]
     for piece in _PLACEHOLDER_RE.split(text):
         if piece == IMAGE_PLACEHOLDER:
             items.append({"type": "image"})
+        elif piece == VIDEO_PLACEHOLDER:
+            items.append({"type": "video"})
         elif piece:
             items.append({"type": "text", "text": piece})
     return items
 
 
 def build_messages(
-    text: str, num_images: int, system_prompt: str | None = None, multimodal: bool = True
+    text: str, num_images: int, system_prompt: str | None = None, multimodal: bool = True, num_videos: int = 0
 ) -> list[dict[str, Any]]:
     """Chat messages for one prompt. ``multimodal=False`` (a tokenizer without a processor) gives
-    plain-string content and refuses images."""
+    plain-string content and refuses images and videos."""
     messages: list[dict[str, Any]] = []
     if system_prompt:
         messages.append({"role": "system", "content": system_prompt})
     if multimodal:
-        messages.append({"role": "user", "content": build_content(text, num_images)})
+        messages.append({"role": "user", "content": build_content(text, num_images, num_videos)})
     else:
-        if num_images or count_placeholders(text) != (0, 0):
+        if num_images or num_videos or count_placeholders(text) != (0, 0):
             raise PromptError(
-                f"the model has no image processor (text-only), but the row has {num_images} image(s) or "
+                f"the model has no image processor (text-only), but the row has {num_images} image(s), {num_videos} video(s) or "
                 f"<image>/<video> placeholders; use a vision-language model or text-only rows"
             )
         messages.append({"role": "user", "content": text})

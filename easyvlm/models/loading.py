@@ -5,7 +5,7 @@ the transformers config already carries ``model.override_config``. The driver si
 and builds the config (:func:`load_hf_config`, :func:`apply_config_overrides`) and loads the
 tokenizer and processor once (:func:`load_tokenizer_and_processor`).
 
-Families: Qwen2-VL and Qwen2.5-VL (``AutoModelForImageTextToText``) and text-only causal LMs
+Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``AutoModelForImageTextToText``) and text-only causal LMs
 (Qwen2, Qwen2.5, Qwen3, Llama-style: ``AutoModelForCausalLM``). The critic is
 ``AutoModelForTokenClassification`` with ``num_labels=1`` when transformers has that class for the
 architecture (Qwen2/3, Llama), else :class:`ValueHeadModel`: the model's backbone
@@ -199,7 +199,8 @@ def _text_config(hf_config: Any) -> Any:
 
 
 def get_vision_tower(model: nn.Module) -> nn.Module | None:
-    """The vision encoder of a Qwen2-VL / Qwen2.5-VL model (``.visual``), or None for text-only models.
+    """The vision encoder of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (``.visual``; Qwen3-VL's
+    DeepStack mergers are part of it), or None for text-only models.
 
     Looks through PEFT and :class:`ValueHeadModel` wrappers.
     """

@@ -7,7 +7,7 @@ How it works, through transformers' extension points (no monkey patch):
 
 - ``pack_inputs`` keeps the tokens where ``attention_mask`` is True, in sample order, as one row
   (1, N). Its position ids restart at 0 at each sequence start. For mRoPE models (Qwen2-VL,
-  Qwen2.5-VL) it builds transformers' 4-row layout (4, 1, N): row 0 holds the per-sequence text
+  Qwen2.5-VL, Qwen3-VL) it builds transformers' 4-row layout (4, 1, N): row 0 holds the per-sequence text
   positions (transformers uses that row only to find sequence boundaries), rows 1-3 the mRoPE
   (temporal, height, width) positions taken from the padded batch.
 - ``VARLEN_ATTENTION`` ("easyvlm_varlen") is registered with ``AttentionInterface`` and
@@ -35,7 +35,8 @@ the keyword ``easyvlm_ulysses`` and wraps the same packed attention in two all-t
 
 The image features do not care about packing: the vision tower sees the same ``pixel_values`` and
 ``image_grid_thw`` (concatenated in sample order), and its outputs fill the image-pad tokens of
-the packed row in the same order as in the padded batch.
+the packed row in the same order as in the padded batch (Qwen3-VL's DeepStack features too: the
+model adds them at the image-pad tokens of whatever row it is given).
 """
 
 from __future__ import annotations

@@ -11,9 +11,13 @@ other tensor in it:
 transformers' forward expects the rows first, ``(4, B, L)``: call :func:`to_model_layout` right
 before ``model(...)``. Padding positions (attention_mask False) hold 0, as in transformers.
 
-Rows 1..3 equal the model's own ``get_rope_index`` (transformers 5.19) and row 0 equals
-``attention_mask.cumsum(-1) - 1`` (0 at padding); tests/models/test_position_ids.py checks both
-against transformers on generated cases. Unlike ``get_rope_index`` we walk the vision tokens one
+Rows 1..3 equal the model's own ``get_rope_index`` (transformers 5.19) for text, images and
+Qwen3-VL videos, and row 0 equals ``attention_mask.cumsum(-1) - 1`` (0 at padding);
+tests/models/test_position_ids.py checks both against transformers on generated cases. After a
+Qwen2-VL / Qwen2.5-VL video whose time axis reaches past its spatial extent, the text continues
+from the largest position + 1, as in Qwen's reference code and vLLM (which the models were trained
+with), where transformers 5.19 continues from start + max(h, w) (its issue #45381 fixed the video's
+own positions, not this); tests/data/test_video_pipeline.py checks against vLLM's log-probs. Unlike ``get_rope_index`` we walk the vision tokens one
 image at a time (each image takes ``t*h*w / merge**2`` tokens), so two images with no text between
 them are still told apart, and a token/grid mismatch fails here with the sample index instead of
 as "Image features and image tokens do not match" deep inside the forward.
@@ -107,9 +111,12 @@ def _mrope_one(
                 f"sample {sample}: {kind} grid (t, h, w) = {tuple(int(x) for x in grid)} needs {n_tokens} {kind} tokens "
                 f"at position {i}, found {found}: input_ids and {kind}_grid_thw do not match"
             )
-        chunks.append(_vision_positions(pos, t, h, w, interval))
-        # transformers advances by the spatial extent only (also for videos): match it exactly.
-        pos += max(h, w)
+        chunk = _vision_positions(pos, t, h, w, interval)
+        chunks.append(chunk)
+        # The next text starts after the largest position so far, as in Qwen's own code and vLLM.
+        # transformers 5.19 advances by the spatial extent only, which is the same for images and
+        # Qwen3-VL's one-frame grids but not for a video whose time axis reaches further.
+        pos = int(chunk.max()) + 1
         i += n_tokens
     if not chunks:
         return torch.zeros(3, 0, dtype=torch.long)

@@ -243,7 +243,8 @@ def text_decoder(model: nn.Module) -> nn.Module:
 def decoder_sees_slice(model: nn.Module, start: int, length: int) -> Iterator[None]:
     """Within the block, the text decoder of ``model`` runs on tokens ``start .. start + length - 1``
     of the row it is given: its ``inputs_embeds`` (or ``input_ids``) and ``position_ids`` are cut
-    along the sequence before it runs.
+    along the sequence before it runs, and Qwen3-VL's DeepStack inputs (``visual_pos_masks``, and
+    of ``deepstack_visual_embeds`` the rows of the slice's vision tokens) with them.
 
     Why a forward pre-hook on the decoder (torch's extension point, on this model only, removed on
     exit) and not embeddings built outside: under FSDP2 the embedding table and the vision tower's
@@ -266,6 +267,17 @@ def decoder_sees_slice(model: nn.Module, start: int, length: int) -> Iterator[No
         if kwargs.get("position_ids") is None:
             raise ValueError("Ulysses: the text decoder needs position_ids (the packed row's)")
         kwargs["position_ids"] = kwargs["position_ids"][..., start:stop]
+        masks = kwargs.get("visual_pos_masks")
+        if masks is not None:
+            # Qwen3-VL's DeepStack: features of the vision tokens of the whole row (rows in token
+            # order), added to the hidden states of the first decoder layers at those tokens. Keep
+            # the slice's tokens and their rows.
+            before, inside = int(masks[:, :start].sum()), int(masks[:, start:stop].sum())
+            kwargs["visual_pos_masks"] = masks[:, start:stop]
+            if kwargs.get("deepstack_visual_embeds") is not None:
+                kwargs["deepstack_visual_embeds"] = [
+                    embeds[before : before + inside] for embeds in kwargs["deepstack_visual_embeds"]
+                ]
         return args, kwargs
 
     handle = text_decoder(model).register_forward_pre_hook(cut, with_kwargs=True)

@@ -1,7 +1,8 @@
 """The transformers ``generate`` rollout engine: a fallback and the reference vLLM is compared with.
 
 Takes the processor outputs of the prompt Batch (``input_ids`` left padded, ``attention_mask``,
-``multi_modal_inputs``), so it sees exactly the tokens the actor trains on. The model's own
+``position_ids``, ``multi_modal_inputs``), so it sees exactly the tokens and positions the actor
+trains on. The model's own
 ``generation_config.json`` is ignored (Qwen2.5-VL-Instruct's sets top_k=1 and
 repetition_penalty=1.05): sampling comes only from easyvlm's config. Blocked tokens are removed
 with ``suppress_tokens``; ``rollout_logprobs`` are taken from the processed scores (after
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Gene
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.loading import is_vision_language_config
+from easyvlm.models.position_ids import to_model_layout
 from easyvlm.rollout.base import RolloutEngine, Sampling, mix_seeds
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -139,6 +141,10 @@ class HFRolloutEngine(RolloutEngine):
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=prompts["attention_mask"].to(self.device).long(),
+            # The batch's positions, which the actor trains with: generate() extends them by last + 1
+            # per new token (as extend_position_ids does). transformers' own would differ after a
+            # video (easyvlm.models.position_ids).
+            position_ids=to_model_layout(prompts["position_ids"]).to(self.device),
             **{k: v.to(self.device) for k, v in mm.items()},
             generation_config=self._generation_config(sampling),
         )

@@ -5,9 +5,10 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
 - In-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vllm is imported (on GPUs
   too), so weights reach the model by reference through ``collective_rpc`` and the actor,
   the reference model and the rollout share one process per device (hybrid placement).
-- Prompts go in as token ids plus images: ``{"prompt_token_ids": raw_prompt_ids,
-  "multi_modal_data": {"image": [...]}}``. vLLM expands each vision placeholder itself, so
-  ``raw_prompt_ids`` hold ONE ``<|image_pad|>`` per image; the expanded prompt vLLM reports is
+- Prompts go in as token ids plus images and videos: ``{"prompt_token_ids": raw_prompt_ids,
+  "multi_modal_data": {"image": [...], "video": [(frames, metadata), ...]}}`` (:func:`vllm_request`).
+  vLLM expands each vision placeholder itself, so ``raw_prompt_ids`` hold ONE ``<|image_pad|>``
+  per image and one ``<|video_pad|>`` per video; the expanded prompt vLLM reports is
   checked against the batch's ``input_ids`` so that training sees the tokens that were sampled from.
 - Log-probs: ``logprobs_mode="processed_logprobs"``, i.e. log_softmax of the logits after the
   blocked tokens are removed, divided by the temperature, after top-k/top-p (vLLM's default
@@ -230,13 +231,14 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         else:
             params = [self._sampling_params(sampling, seed) for seed in seeds]
-        images = prompts.get("images") or [[] for _ in range(len(prompts))]
-        requests = []
-        for ids, sample_images in zip(prompts["raw_prompt_ids"], images):
-            request: dict[str, Any] = {"prompt_token_ids": list(ids)}
-            if sample_images:
-                request["multi_modal_data"] = {"image": list(sample_images)}
-            requests.append(request)
+        requests = [
+            vllm_request(ids, images, videos)
+            for ids, images, videos in zip(
+                prompts["raw_prompt_ids"],
+                prompts.get("images") or [[]] * len(prompts),
+                prompts.get("videos") or [[]] * len(prompts),
+            )
+        ]
         outputs = self.llm.generate(requests, params, use_tqdm=self.use_tqdm)
         _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
         responses, logprobs = [], []
@@ -267,6 +269,22 @@ class VLLMRolloutEngine(RolloutEngine):
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         if self.device != "cpu":
             self.llm.wake_up(tags=list(tags) if tags is not None else None)
+
+
+def vllm_request(raw_prompt_ids: Sequence[int], images: Sequence[Any], videos: Sequence[Any]) -> dict[str, Any]:
+    """One prompt for ``LLM.generate``: token ids with one pad token per image and video, plus the
+    fitted images and each video as (frames (T, H, W, 3) uint8, metadata). ``do_sample_frames=False``
+    in the metadata: the frames are already sampled, vLLM must not sample them again (Qwen3-VL's
+    processor would); the rest tells it when each frame was taken."""
+    request: dict[str, Any] = {"prompt_token_ids": list(raw_prompt_ids)}
+    data: dict[str, Any] = {}
+    if images:
+        data["image"] = list(images)
+    if videos:
+        data["video"] = [(v.frames, {**v.metadata(), "do_sample_frames": False}) for v in videos]
+    if data:
+        request["multi_modal_data"] = data
+    return request
 
 
 def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:

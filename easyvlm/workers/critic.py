@@ -3,8 +3,8 @@
 The model is ``AutoModelForTokenClassification(num_labels=1)`` when transformers has one for the
 architecture (Qwen2/3, Llama), else ``models.loading.ValueHeadModel`` (the backbone, e.g.
 ``Qwen2_5_VLModel``, plus a Linear(H, 1) head): transformers has no token-classification class
-for Qwen2-VL / Qwen2.5-VL. The value of response token t is the output at position P - 1 + t, the
-state before the token is generated (as EasyR1 and verl read it).
+for Qwen2-VL / Qwen2.5-VL / Qwen3-VL. The value of response token t is the output at position
+P - 1 + t, the state before the token is generated (as EasyR1 and verl read it).
 
 Built from the run plan's `CriticSpec`; the update is the shared loop of ``easyvlm.workers.update``
 with ``algorithms.value_loss.value_loss`` as the micro-batch loss.

@@ -32,6 +32,7 @@ DERIVED = "tests/config/test_derived.py"
 FSDP = "tests/workers/test_fsdp.py"
 HF = "tests/rollout/test_hf.py"
 IMAGES = "tests/data/test_images.py"
+VIDEOS = "tests/data/test_videos.py"
 KL = "tests/algorithms/test_kl.py"
 LOADER = "tests/data/test_dataloader.py"
 LOOP = "tests/trainer/test_loop.py"
@@ -211,10 +212,13 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("data.prompt_key", f"{DATASET}::test_column_keys_name_the_columns"),
     effects("data.answer_key", f"{DATASET}::test_column_keys_name_the_columns"),
     effects("data.image_key", f"{DATASET}::test_column_keys_name_the_columns"),
-    effects("data.video_key", f"{DATASET}::test_column_keys_name_the_columns"),  # the column whose rows are refused
+    effects("data.video_key", f"{DATASET}::test_column_keys_name_the_columns"),
     effects("data.image_dir", f"{DATASET}::test_images_without_placeholder_go_first_and_image_dir",
             f"{IMAGES}::test_image_dir_set_is_the_only_place"),
-    refused("data.video_fps"),  # videos are not read yet
+    effects("data.video_fps", f"{VIDEOS}::test_a_video_file_is_decoded_and_sampled",
+            f"{VIDEOS}::test_rows_mixing_text_images_and_videos"),
+    effects("data.video_max_frames", f"{VIDEOS}::test_a_video_file_is_decoded_and_sampled",
+            f"{VIDEOS}::test_rows_mixing_text_images_and_videos"),
     effects("data.max_prompt_length", f"{DATASET}::test_truncation_left_and_right_on_text",
             f"{DATASET}::test_filter_overlong_prompts_drops_and_counts"),
     effects("data.max_response_length", PLAN, f"{ROLLOUT}::test_the_plan_has_training_and_validation_sampling",

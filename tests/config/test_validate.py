@@ -124,7 +124,8 @@ RULES = [
     (["data.min_pixels=1000", "data.max_pixels=100"], "data.min_pixels", "must be <= data.max_pixels (100)"),
     (["data.max_pixels=0"], "data.max_pixels", ">= 1"),
     (["data.video_fps=0"], "data.video_fps", "> 0"),
-    (["data.video_fps=1.0"], "data.video_fps", "does not read videos yet"),
+    (["data.video_max_frames=2"], "data.video_max_frames", ">= 4"),
+    (["data.video_max_frames=7"], "data.video_max_frames", "(7) must be even"),
     # reward
     (["worker.reward.reward_function=null"], "worker.reward.reward_function", "is unset"),
     (["worker.reward.reward_functions=[{reward_function: b.py}]"], "worker.reward.reward_function", "together with"),
@@ -289,6 +290,17 @@ def test_example_config_is_valid():
 def test_example_config_files_exist(monkeypatch):
     monkeypatch.chdir(REPO)
     assert find_problems(load_config(["config=examples/config.yaml"]), check_files=True) == []
+
+
+def test_video_example_differs_from_the_demo_only_in_its_task(monkeypatch):
+    """examples/video.yaml: the demo's settings on the built-in video task (data, KL, steps, name)."""
+    monkeypatch.chdir(REPO)
+    video, demo = load_config(["config=examples/video.yaml"]), load_config(["config=examples/config.yaml"])
+    assert find_problems(video, check_files=True) == []
+    assert (video.data.train_files, video.data.val_files) == ("builtin:synthetic-video@train", "builtin:synthetic-video@val")
+    assert (video.data.video_key, video.data.video_fps) == ("videos", 2.0)
+    assert video.worker == demo.worker
+    assert dataclasses.replace(video.algorithm, kl_coef=demo.algorithm.kl_coef) == demo.algorithm
 
 
 def test_disable_kl_over_kl_loss_is_a_notice():

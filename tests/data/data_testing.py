@@ -44,3 +44,50 @@ def make_image(path: Path, width: int, height: int, colour=(200, 30, 30), mode: 
     image.paste((20, 40, 220), (0, 0, max(1, width // 3), max(1, height // 2)))
     image.convert(mode).save(path)
     return path
+
+
+def assert_vllm_matches_the_forward(batch, hf_model, model_path: str, processor, limits: dict[str, int]) -> None:
+    """vLLM, given each sample's ``raw_prompt_ids`` with its images and videos (the rollout's
+    request, easyvlm.rollout.vllm.vllm_request), expands them into exactly the batch's ``input_ids``
+    and gives the prompt tokens the log-probs of transformers' forward over the padded batch with
+    its ``position_ids`` (float32 on both sides, different CPU kernels: 1e-4, STACK.md)."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from easyvlm.data.collate import concat_multi_modal_inputs
+    from easyvlm.data.images import vllm_mm_processor_kwargs
+    from easyvlm.models.position_ids import to_model_layout
+    from easyvlm.rollout.vllm import vllm_request
+
+    llm = LLM(
+        model=model_path,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=64 * 2**20,
+        limit_mm_per_prompt=limits,
+        mm_processor_kwargs=vllm_mm_processor_kwargs(processor),
+    )
+    n = len(batch)
+    requests = [
+        vllm_request(ids, images, videos)
+        for ids, images, videos in zip(batch["raw_prompt_ids"], batch["images"], batch.get("videos") or [[]] * n)
+    ]
+    outputs = llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+    with torch.no_grad():
+        logits = hf_model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=to_model_layout(batch["position_ids"]),
+            **concat_multi_modal_inputs(batch["multi_modal_inputs"]),
+        ).logits
+    for i, out in enumerate(outputs):
+        mask = batch["attention_mask"][i]
+        ids = batch["input_ids"][i][mask]
+        assert list(out.prompt_token_ids) == ids.tolist(), f"sample {i}: vLLM's expansion differs from input_ids"
+        vllm_logprobs = torch.tensor([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:].tolist())])
+        hf_logprobs = torch.log_softmax(logits[i][mask][:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
+        torch.testing.assert_close(vllm_logprobs, hf_logprobs, rtol=1e-4, atol=1e-4, msg=lambda m: f"sample {i}: {m}")
+    del llm

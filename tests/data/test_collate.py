@@ -10,7 +10,7 @@ from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs, lef
 def sample(ids, rows=None, **objects):
     ids = torch.tensor(ids)
     positions = torch.arange(len(ids)) if rows is None else torch.stack([torch.arange(len(ids)) + r for r in rows])
-    base = dict(raw_prompt_ids=ids.tolist(), images=[], original_image_sizes=[], multi_modal_inputs={}, ground_truth="g", uid="u", prompt_text="t", extra={})
+    base = dict(raw_prompt_ids=ids.tolist(), images=[], original_image_sizes=[], videos=[], multi_modal_inputs={}, ground_truth="g", uid="u", prompt_text="t", extra={})
     return dict(base, input_ids=ids, position_ids=positions, **objects)
 
 

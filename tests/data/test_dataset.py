@@ -124,8 +124,8 @@ def bad_row_error(build, path, **overrides) -> str:
         ({"problem": "<image><image>?", "answer": "a", "images": ["img/a.png"]}, r"the prompt has 2 <image> placeholder\(s\) but the row has 1 image\(s\)"),
         ({"question": "?", "answer": "a"}, r"missing key 'problem' \(data.prompt_key\); the row has \['answer', 'question'\]"),
         ({"problem": "?"}, r"missing key 'answer' \(data.answer_key\)"),
-        ({"problem": "?", "answer": "a", "videos": ["v.mp4"]}, r"videos are not supported yet"),
-        ({"problem": "<video>?", "answer": "a"}, r"videos are not supported yet: the prompt has a <video> placeholder"),
+        ({"problem": "?", "answer": "a", "videos": ["v.mp4"]}, r"videos\[0\]: video file 'v.mp4' does not exist in any of the directories tried"),
+        ({"problem": "<video>?", "answer": "a"}, r"the prompt has 1 <video> placeholder\(s\) but the row has 0 video\(s\)"),
         ({"problem": "x" * 300, "answer": "a"}, r"the prompt has 319 tokens, more than data.max_prompt_length=256 \(data.prompt_truncation=error\)"),
         ({"problem": 5, "answer": "a"}, r"'problem' must be a string, got int"),
         ({"problem": "<|image_pad|>", "answer": "a"}, r"the tokenized prompt has 1 image tokens but its 0 image\(s\) give 0 features"),
@@ -147,7 +147,7 @@ def test_truncation_that_would_cut_image_tokens(tmp_path, build, image_files):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     # left keeps the last 40 tokens: the first 9 (<|im_start|> user\n <|vision_start|> + 2 pads) go
     message = bad_row_error(build, path, max_prompt_length=40, prompt_truncation="left")
-    assert f"{path} row 0 (line 1): the prompt has 49 tokens, more than data.max_prompt_length=40, and truncating it (left) would cut image tokens" in message
+    assert f"{path} row 0 (line 1): the prompt has 49 tokens, more than data.max_prompt_length=40, and truncating it (left) would cut image or video tokens" in message
     # right keeps the first 40: the image (tokens 7..24) survives, 9 text tokens at the end go
     sample = build(path, max_prompt_length=40, prompt_truncation="right")[0]
     full = build(path)[0]
@@ -193,7 +193,7 @@ def test_text_only_model_refuses_images(tmp_path, processor, image_files):
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     from data_testing import data_config
 
-    with pytest.raises(DataError, match=re.escape(f"{path} row 1 (line 2): the row has images but the model has no image processor")):
+    with pytest.raises(DataError, match=re.escape(f"{path} row 1 (line 2): the row has images or videos but the model has no image processor")):
         RLDataset(str(path), data_config(), processor.tokenizer, None, None)
     ds = RLDataset(str(path), data_config(on_bad_row="skip"), processor.tokenizer, None, None)
     sample = ds[0]
@@ -218,9 +218,9 @@ def test_column_keys_name_the_columns(tmp_path, build, image_files):
     # the same row read with the defaults has no "prompt" column
     message = bad_row_error(build, path, prompt_key="prompt")
     assert "missing key 'prompt' (data.prompt_key)" in message
-    # video_key names the column that is refused (videos are not supported yet)
+    # video_key names the column read as videos
     message = bad_row_error(build, path, prompt_key="q", answer_key="a", image_key="pics", video_key="videos")
-    assert "non-empty 'videos' column" in message
+    assert "videos[0]: video file 'not read' does not exist" in message
 
 
 def test_pixel_limits_resize_the_rows_images(tmp_path, build):

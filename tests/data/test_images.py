@@ -287,7 +287,8 @@ def test_processor_pixel_limits_in_every_form(processor):
 
 def test_vllm_mm_processor_kwargs_carry_the_processors_limits(processor):
     # transformers 5's form (pixel counts under size); min_pixels= / max_pixels= are deprecated
-    assert vllm_mm_processor_kwargs(processor) == {"size": {"shortest_edge": 3136, "longest_edge": 50176}}
+    limits = {"size": {"shortest_edge": 3136, "longest_edge": 50176}}  # per modality: Qwen3-VL's differ
+    assert vllm_mm_processor_kwargs(processor) == {"images_kwargs": limits, "videos_kwargs": {**limits, "cap_pixels_per_frame": False}}
     assert vllm_mm_processor_kwargs(processor.tokenizer) == {}  # text-only model: nothing to set
     assert vllm_mm_processor_kwargs(None) == {}
 
@@ -297,8 +298,21 @@ def test_vllm_resolves_the_kwargs_to_the_processors_limits(processor):
     from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
 
     defaults = {"shortest_edge": 1, "longest_edge": 2}  # stand-ins, to see that the kwargs override them
-    size = Qwen2VLProcessingInfo._get_vision_size(vllm_mm_processor_kwargs(processor), default_size=defaults)
-    assert (size["shortest_edge"], size["longest_edge"]) == TINY
+    kwargs = vllm_mm_processor_kwargs(processor)
+    for scope in ("images_kwargs", "videos_kwargs"):  # vLLM reads one scope per modality
+        size = Qwen2VLProcessingInfo._get_vision_size(kwargs[scope], default_size=defaults)
+        assert (size["shortest_edge"], size["longest_edge"]) == TINY
+
+
+def test_vllm_kwargs_keep_the_video_processors_own_limits(processor):
+    """Qwen3-VL's image and video processors have different limits: each modality gets its own."""
+    import copy
+
+    other = copy.deepcopy(processor)
+    other.video_processor.size = {"shortest_edge": 6272, "longest_edge": 25088}
+    kwargs = vllm_mm_processor_kwargs(other)
+    assert kwargs["images_kwargs"]["size"] == {"shortest_edge": 3136, "longest_edge": 50176}
+    assert kwargs["videos_kwargs"]["size"] == {"shortest_edge": 6272, "longest_edge": 25088}
 
 
 ODD_SIZES = [(13, 7), (97, 55), (333, 201), (57, 250), (1000, 999), (160, 120), (640, 480)]

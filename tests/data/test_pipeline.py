@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from data_testing import make_image, write_jsonl
+from data_testing import assert_vllm_matches_the_forward, make_image, write_jsonl
 
 from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
 from easyvlm.models.position_ids import to_model_layout
@@ -88,44 +88,5 @@ def test_forward_on_the_batch_equals_each_sample_alone(prompt_batch, hf_model, m
 
 
 @pytest.mark.slow
-@torch.no_grad()
 def test_vllm_accepts_the_same_ids_and_images(prompt_batch, hf_model, tiny_model_path, processor):
-    from vllm import LLM, SamplingParams
-
-    from easyvlm.data.images import vllm_mm_processor_kwargs
-
-    llm = LLM(
-        model=tiny_model_path,
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=8,
-        enforce_eager=True,
-        seed=0,
-        kv_cache_memory_bytes=64 * 2**20,
-        limit_mm_per_prompt={"image": 3},
-        mm_processor_kwargs=vllm_mm_processor_kwargs(processor),
-    )
-    requests = []
-    for ids, images in zip(prompt_batch["raw_prompt_ids"], prompt_batch["images"]):
-        request = {"prompt_token_ids": list(ids)}
-        if images:
-            request["multi_modal_data"] = {"image": list(images)}
-        requests.append(request)
-    outputs = llm.generate(requests, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
-
-    mm = concat_multi_modal_inputs(prompt_batch["multi_modal_inputs"])
-    logits = hf_model(
-        input_ids=prompt_batch["input_ids"],
-        attention_mask=prompt_batch["attention_mask"],
-        position_ids=to_model_layout(prompt_batch["position_ids"]),
-        **mm,
-    ).logits
-    for i, out in enumerate(outputs):
-        ids = unpadded(prompt_batch, i)
-        # vLLM expanded each image placeholder into exactly the tokens the training forward sees
-        assert list(out.prompt_token_ids) == ids.tolist()
-        vllm_logprobs = torch.tensor([step[token].logprob for step, token in zip(out.prompt_logprobs[1:], ids[1:].tolist())])
-        hf_logprobs = torch.log_softmax(logits[i][prompt_batch["attention_mask"][i]][:-1], dim=-1)
-        hf_logprobs = hf_logprobs.gather(-1, ids[1:, None])[:, 0]
-        # float32 on both sides, different CPU kernels (STACK.md: agreement to ~4 decimals)
-        torch.testing.assert_close(vllm_logprobs, hf_logprobs, rtol=1e-4, atol=1e-4)
+    assert_vllm_matches_the_forward(prompt_batch, hf_model, tiny_model_path, processor, {"image": 3})

@@ -36,9 +36,20 @@ def test_placeholder_count_mismatch():
         build_content("<image>", 0)
 
 
-def test_video_placeholder_is_not_supported_yet():
-    with pytest.raises(PromptError, match="videos are not supported yet"):
+def test_videos_and_images_placed_by_their_own_placeholders():
+    video, image = {"type": "video"}, {"type": "image"}
+    assert build_content("<video> what happens?", 0, 1) == [video, {"type": "text", "text": " what happens?"}]
+    assert build_content("a <image> b <video> c <image>", 2, 1) == [
+        {"type": "text", "text": "a "}, image, {"type": "text", "text": " b "}, video,
+        {"type": "text", "text": " c "}, image,
+    ]
+    # videos without placeholders go first (after images without placeholders); placed images stay put
+    assert build_content("x <image>", 1, 2) == [video, video, {"type": "text", "text": "x "}, image]
+    assert build_content("x", 1, 1) == [image, video, {"type": "text", "text": "x"}]
+    with pytest.raises(PromptError, match=r"1 <video> placeholder\(s\) but the row has 0 video\(s\)"):
         build_content("<video> what happens?", 0)
+    with pytest.raises(PromptError, match=r"2 <video> placeholder\(s\) but the row has 1 video\(s\)"):
+        build_content("<video><video>", 0, 1)
 
 
 def test_format_prompt_sees_content_and_row_fields(tmp_path):

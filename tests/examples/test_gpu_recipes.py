@@ -11,6 +11,7 @@ Hub ids (model, data) are not resolved by validation, so nothing touches the net
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -45,6 +46,8 @@ def test_there_are_recipes_for_each_model_data_set_and_algorithm():
     names = [p.stem for p in RECIPES]
     for part in ("3b", "7b", "geo3k", "clevr", "grpo", "dapo", "gspo"):
         assert any(f"_{part}_" in f"_{name}_" for name in names), f"no recipe with {part!r}: {names}"
+    for family in ("qwen2_5_vl_", "qwen3_vl_"):
+        assert any(name.startswith(family) for name in names), f"no {family} recipe: {names}"
 
 
 @pytest.mark.parametrize("script", RECIPES, ids=[p.stem for p in RECIPES])
@@ -73,8 +76,9 @@ def test_recipe_passes_the_trainers_checks(script, tmp_path, monkeypatch, capsys
 
     # what the file name promises
     name = script.stem
-    size = "3B" if "_3b_" in name else "7B"
-    assert cfg.worker.actor.model.model_path == f"Qwen/Qwen2.5-VL-{size}-Instruct"
+    family = "Qwen3-VL" if name.startswith("qwen3_vl_") else "Qwen2.5-VL"
+    size = re.search(r"_(\d+)b_", name).group(1)
+    assert cfg.worker.actor.model.model_path == f"Qwen/{family}-{size}B-Instruct"
     if "_geo3k_" in name:
         assert cfg.data.train_files == "hiyouga/geometry3k@train"
         assert cfg.worker.reward.reward_function.startswith("./reward_functions/math.py:")

@@ -191,25 +191,70 @@ def test_extend_matches_rope_index_over_prompt_plus_response(models, family, see
     assert torch.equal(extended[:, 0], text_position_ids(full_mask))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_videos_match_transformers(models, family):
-    """Videos (t > 1) between text, with Qwen2.5-VL's seconds-per-grid scaling of the T row."""
-    model = model_for(models, family)
+def video_case(family):
+    """Two videos (t > 1) between text; Qwen3-VL puts a text timestamp before every frame."""
     grids = [(2, 4, 2), (3, 2, 4)]
     seq = [5, 6]
     for t, h, w in grids:
-        if family == "qwen3_vl":  # Qwen3-VL: a text timestamp before every frame
+        if family == "qwen3_vl":
             for _ in range(t):
                 seq += [7, VSTART] + [VIDEO] * (h * w // 4) + [VEND]
         else:
             seq += [VSTART] + [VIDEO] * (t * h * w // 4) + [VEND]
         seq += [8]
     ids = torch.tensor([[PAD] + seq])
-    mask = ids != PAD
-    video_grid_thw = torch.tensor(grids)
     seconds = torch.tensor([0.5, 2.0]) if family == "qwen2_5_vl" else None
+    return ids, ids != PAD, torch.tensor(grids), seconds
+
+
+def vllm_positions(family, model_config, seq, video_grid_thw, seconds):
+    """vLLM's mRoPE positions for one unpadded sequence of videos (its own implementation)."""
+    import importlib
+    from types import SimpleNamespace
+
+    module = importlib.import_module(f"vllm.model_executor.models.{family}")
+    cls = getattr(module, {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}[family])
+    starts = [i for i, token in enumerate(seq) if token == VIDEO and (i == 0 or seq[i - 1] != VIDEO)]
+    features = []
+    for k, start in enumerate(starts):
+        data = {"video_grid_thw": SimpleNamespace(data=video_grid_thw[k])}
+        if seconds is not None:
+            data["second_per_grid_ts"] = SimpleNamespace(data=seconds[k])
+        features.append(SimpleNamespace(mm_position=SimpleNamespace(offset=start), modality="video", data=data))
+    fake = SimpleNamespace(config=model_config)
+    fake.iter_mm_grid_thw = lambda feats: cls.iter_mm_grid_thw(fake, feats)
+    positions, _ = cls.get_mrope_input_positions(fake, list(seq), features)
+    return positions
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_videos_match_vllm_and_qwens_reference(models, family):
+    """Videos between text, with Qwen2.5-VL's seconds-per-grid scaling of the T row. After a video the
+    text continues from the largest position + 1 (Qwen's reference code, vLLM); transformers 5.19
+    continues from start + max(h, w), which only differs when the time axis reaches further."""
+    model = model_for(models, family)
+    ids, mask, video_grid_thw, seconds = video_case(family)
     ours = get_position_ids(ids, mask, None, video_grid_thw, model.config, second_per_grid_ts=seconds)
-    rope, gen = reference(model, ids, mask, None, video_grid_thw.clone(), seconds)
+    reference = vllm_positions(family, model.config, ids[0][mask[0]].tolist(), video_grid_thw, seconds)
+    assert torch.equal(ours[0, 1:, mask[0]], reference)
+    if family == "qwen2_vl":
+        # by hand: text 5, 6 -> 0, 1; vision_start 2; video 1 (t, h, w) = (2, 2, 1) merged: T 3..4, H 3..4, W 3 (max 4);
+        # vision_end 5, text 8 -> 6, vision_start 7; video 2 (3, 1, 2): T 8..10, H 8, W 8..9 (max 10); vision_end 11
+        assert ours[0, 1:, -2].tolist() == [11, 11, 11]  # transformers: 8 + max(1, 2) = 10
+        rope, _ = reference_rope(model, ids, mask, video_grid_thw, seconds)
+        assert rope[:, 0, -2].tolist() == [10, 10, 10]
+
+
+def reference_rope(model, ids, mask, video_grid_thw, seconds):
+    return reference(model, ids, mask, None, video_grid_thw.clone(), seconds)
+
+
+def test_qwen3_videos_match_transformers(models):
+    """Qwen3-VL: every frame is its own t = 1 grid after a timestamp, so transformers agrees."""
+    model = model_for(models, "qwen3_vl")
+    ids, mask, video_grid_thw, _ = video_case("qwen3_vl")
+    ours = get_position_ids(ids, mask, None, video_grid_thw, model.config)
+    rope, gen = reference_rope(model, ids, mask, video_grid_thw, None)
     assert torch.equal(to_model_layout(ours)[1:], rope)
     assert torch.equal(to_model_layout(ours), gen)
 

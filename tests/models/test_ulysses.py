@@ -126,6 +126,35 @@ def test_decoder_sees_its_slice(tmp_path, head):
     torch.testing.assert_close(whole[:, 3:], expected)  # packed: the same sequences, the same outputs
 
 
+def test_decoder_sees_its_slice_with_deepstack(easyvlm_cache_dir):
+    """Qwen3-VL adds DeepStack features to the first decoder layers' hidden states at the image
+    tokens: a slice must get the rows of its own image tokens. Two packed image prompts; the slice
+    is the second one, whole, so it equals that prompt run alone with its image. (Without the cut of
+    ``visual_pos_masks`` the forward fails; with the rows of the first image it differs.)"""
+    from transformers import AutoConfig, AutoProcessor
+
+    from easyvlm.builtin.models import materialize_model
+    from easyvlm.models.position_ids import get_position_ids
+
+    model_dir = str(materialize_model("tiny-qwen3-vl", cache_dir=easyvlm_cache_dir))
+    processor, config = AutoProcessor.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for text, (h, w) in (("first", (64, 96)), ("second", (96, 64))):
+        image = torch.randint(0, 256, (h, w, 3), generator=gen, dtype=torch.uint8).numpy()
+        enc = processor(text=[f"<|vision_start|><|image_pad|><|vision_end|>{text}"], images=[image], return_tensors="pt")
+        positions = get_position_ids(enc["input_ids"], enc["attention_mask"], enc["image_grid_thw"], model_config=config)
+        parts.append((enc["input_ids"], positions.transpose(0, 1), enc["pixel_values"], enc["image_grid_thw"]))
+    model = load(model_dir).eval()
+    (ids_a, pos_a, pv_a, grid_a), (ids_b, pos_b, pv_b, grid_b) = parts
+    with torch.no_grad():
+        alone = model(input_ids=ids_b, position_ids=pos_b, pixel_values=pv_b, image_grid_thw=grid_b).logits
+        with decoder_sees_slice(model, ids_a.shape[1], ids_b.shape[1]):
+            sliced = model(input_ids=torch.cat([ids_a, ids_b], 1), position_ids=torch.cat([pos_a, pos_b], -1),
+                           pixel_values=torch.cat([pv_a, pv_b]), image_grid_thw=torch.cat([grid_a, grid_b])).logits
+    torch.testing.assert_close(sliced, alone)
+
+
 def test_bad_ulysses_settings_are_refused_before_any_collective(tiny_model_path):
     """Key/value heads that the group size does not divide, a model without the varlen attention,
     and the padded forward are errors that name the setting (no process group is needed to see them)."""

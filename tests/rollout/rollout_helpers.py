@@ -132,3 +132,35 @@ def eos_inside(rollout: Batch, eos_token_ids: Sequence[int]) -> int:
         ends = [k for k, token in enumerate(row[:-1]) if token in eos_token_ids]
         count += bool(ends) and any(token not in eos_token_ids for token in row[ends[0] + 1 :])
     return count
+
+
+def video_prompt_batch(processor: Any, model_config: Any, root: Any) -> Batch:
+    """Three prompts through the data pipeline: a video file (8 noise frames at 4 fps, 56x56, sampled
+    at 2 fps to 4 frames), a frame list next to an image, and text only."""
+    import json
+
+    import numpy as np
+
+    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.collate import collate_prompts
+    from easyvlm.data.dataset import RLDataset
+    from easyvlm.data.videos import write_video
+
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(8)]
+    write_video(root / "clip.mp4", frames, fps=4)
+    for k in range(3):
+        Image.fromarray(frames[k]).save(root / f"f{k}.png")
+    rows = [
+        {"problem": "<video>What happens?", "answer": "a", "videos": ["clip.mp4"]},
+        {"problem": "<image>Is it in <video>?", "answer": "b", "images": ["f0.png"], "videos": [["f0.png", "f1.png", "f2.png"]]},
+        {"problem": "Say hi.", "answer": "c"},
+    ]
+    path = root / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = dataclasses.replace(
+        DataConfig(), train_files=str(path), prompt_key="problem", min_pixels=3136, max_pixels=50176,
+        max_prompt_length=128, filter_overlong_prompts_workers=1,
+    )
+    dataset = RLDataset(str(path), config, processor.tokenizer, processor, model_config)
+    return collate_prompts([dataset[i] for i in range(len(dataset))], dataset.pad_token_id)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import default_prompts, eos_inside, recompute_logprobs, rollout_plan, with_sampling
+from rollout_helpers import (
+    default_prompts,
+    eos_inside,
+    recompute_logprobs,
+    rollout_plan,
+    video_prompt_batch,
+    with_sampling,
+)
 from transformers import AutoModelForImageTextToText
 
 from easyvlm.data.collate import concat_multi_modal_inputs
@@ -74,6 +81,17 @@ def test_position_ids_equal_transformers_over_the_whole_sequence(engine, model, 
     reference, _ = model.model.get_rope_index(ids, types, image_grid_thw=grids, attention_mask=mask.long())  # (3, B, L)
     vision_rows = out["position_ids"][:, 1:].transpose(0, 1)  # (3, B, L)
     torch.testing.assert_close(vision_rows[:, mask], reference[:, mask])
+
+
+def test_videos_sample_with_the_batchs_positions(engine, model, tiny_processor_and_config, tmp_path):
+    """generate() takes the batch's position ids, which continue after a video from the largest position
+    + 1 (transformers' own would not): the sampled log-probs equal the actor's recomputation with them."""
+    prompts = video_prompt_batch(*tiny_processor_and_config, tmp_path)
+    assert [len(v) for v in prompts["videos"]] == [1, 1, 0]
+    out = engine.generate(prompts, with_sampling(engine, temperature=0.7))
+    expected = recompute_logprobs(model, out, 0.7, engine.blocked_token_ids)
+    mask = out["response_mask"]
+    torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,15 @@ import dataclasses
 
 import pytest
 import torch
-from rollout_helpers import default_prompts, eos_inside, recompute_logprobs, response_logits, rollout_plan, with_sampling
+from rollout_helpers import (
+    default_prompts,
+    eos_inside,
+    recompute_logprobs,
+    response_logits,
+    rollout_plan,
+    video_prompt_batch,
+    with_sampling,
+)
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
 from easyvlm.config.schema import DataConfig
@@ -135,7 +143,7 @@ def test_prompts_from_the_data_pipeline(engine, plan, model, tiny_processor_and_
     data = DataConfig(train_files=synthetic_train_file, prompt_key="problem", min_pixels=28 * 28, max_pixels=2 * 28 * 28)
     dataset = RLDataset(synthetic_train_file, data, processor.tokenizer, processor, model_config)
     batch = collate_prompts([dataset[i] for i in range(4)], dataset.pad_token_id)
-    limits = plan.rollout.engine.mm_processor_kwargs["size"]
+    limits = plan.rollout.engine.mm_processor_kwargs["images_kwargs"]["size"]
     images = [image for images in batch["images"] for image in images]
     assert len(images) == 4
     for image in images:
@@ -147,10 +155,18 @@ def test_prompts_from_the_data_pipeline(engine, plan, model, tiny_processor_and_
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
 
 
+@pytest.fixture(scope="module")
+def video_prompts(tiny_processor_and_config, tmp_path_factory):
+    """A video file, a frame list next to an image, and text only (rollout_helpers.video_prompt_batch)."""
+    return video_prompt_batch(*tiny_processor_and_config, tmp_path_factory.mktemp("videos"))
+
+
 @pytest.mark.slow
-def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tiny_model_path, prompts):
+@pytest.mark.parametrize("media", ["images", "videos"])
+def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tiny_model_path, media, request):
     """The issue's check: after an actor update and a sync, vLLM's log-probs of its sampled tokens
-    equal transformers' recomputation on the same sequences (images, mRoPE) within 1e-3."""
+    equal transformers' recomputation on the same sequences (images or videos, mRoPE) within 1e-3."""
+    prompts = request.getfixturevalue("prompts" if media == "images" else "video_prompts")
     actor = AutoModelForImageTextToText.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     torch.manual_seed(0)
     with torch.no_grad():  # the "update": noise on every parameter, vision tower included
@@ -205,7 +221,9 @@ def test_cpu_engine_settings(tiny_model_path):
     assert kwargs["hf_overrides"] == {"text_config": {"initializer_range": INIT_RANGE}}
     # vLLM resizes images with the processor's own limits, as the data pipeline does: the tiny model's
     # preprocessor config has 56x56 = 3136 to 224x224 = 50176 pixels (4 to 64 merged image tokens)
-    assert kwargs["mm_processor_kwargs"] == {"size": {"shortest_edge": 3136, "longest_edge": 50176}}
+    limits = {"size": {"shortest_edge": 3136, "longest_edge": 50176}}  # the same for images and video frames
+    # video frames: no per-frame cap on top (data.videos applies qwen-vl-utils' in stage 1)
+    assert kwargs["mm_processor_kwargs"] == {"images_kwargs": limits, "videos_kwargs": {**limits, "cap_pixels_per_frame": False}}
     # Too short a worker.rollout.max_model_len is a config error (tests/config/test_validate.py).
 
 

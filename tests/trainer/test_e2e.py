@@ -160,6 +160,62 @@ class TestEstimators:
             assert not set(steps[0]["uids"]) & set(steps[1]["uids"])
 
 
+@pytest.fixture
+def mixed_media_rows(tmp_path):
+    """EasyR1-format rows: text only, an image, a video file, a frame list (one of each)."""
+    import numpy as np
+    from PIL import Image
+
+    from easyvlm.data.videos import write_video
+
+    colours = {"red": (220, 30, 30), "blue": (30, 70, 220)}
+    frames = [np.full((56, 56, 3), colours["red" if k < 4 else "blue"], dtype=np.uint8) for k in range(8)]
+    write_video(tmp_path / "clip.mp4", frames, fps=4)
+    for k in (0, 4):
+        Image.fromarray(frames[k]).save(tmp_path / f"f{k}.png")
+    rows = [
+        {"problem": "Name a colour.", "answer": "red"},
+        {"problem": "<image>What colour is the shape?", "answer": "red", "images": ["f0.png"]},
+        {"problem": "<video>Which colour appears first?", "answer": "red", "videos": ["clip.mp4"]},
+        {"problem": "<video>Which colour appears first?", "answer": "red", "videos": [["f0.png", "f0.png", "f4.png", "f4.png"]]},
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("e2e_ray")
+def test_mixed_media_rows_train_a_step_on_two_ranks(e2e_base_args, mixed_media_rows, tmp_path):
+    """Text, image, video-file and frame-list rows in one step on 2 FSDP ranks. In file order the
+    first rank's samples have no video and the second's no image: each runs the vision tower as
+    often as the other (easyvlm.workers.forward.with_dummy_image), or the step would hang."""
+    from easyvlm.trainer.main import main
+
+    out = tmp_path / "run"
+    main([*e2e_base_args, f"data.train_files={mixed_media_rows}", f"data.val_files={mixed_media_rows}",
+          "data.shuffle=false", "trainer.n_gpus_per_node=2", "worker.rollout.name=hf", "trainer.max_steps=1",
+          f"trainer.save_checkpoint_path={out}"])
+    (row,) = read_jsonl(out / "experiment_log.jsonl")
+    assert_finite(row, ["actor/pg_loss", "actor/grad_norm", "reward/overall"])
+    assert row["actor/skipped_steps"] == 0.0
+
+
+def test_a_missing_video_exits_2_before_ray_naming_file_and_row(e2e_env, e2e_base_args, mixed_media_rows, tmp_path):
+    rows = mixed_media_rows.read_text().splitlines()
+    rows[2] = rows[2].replace("clip.mp4", "gone.mp4")
+    broken = mixed_media_rows.with_name("broken.jsonl")
+    broken.write_text("\n".join(rows) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "easyvlm.trainer.main", *e2e_base_args, f"data.train_files={broken}",
+         f"data.val_files={broken}", f"trainer.save_checkpoint_path={tmp_path / 'run'}"],
+        capture_output=True, text=True, env={**os.environ, **e2e_env}, timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{broken} row 2 (line 3): videos[0]: video file 'gone.mp4' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray instance" not in result.stderr
+
+
 def test_concat_rollouts_left_pads_the_prompt_side():
     """DAPO's kept samples come from several generation rounds, each padded to its own longest
     prompt (the DAPO run above failed in Batch.concat before this)."""

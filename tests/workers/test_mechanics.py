@@ -54,22 +54,46 @@ def test_merge_lora_state_dict_by_hand():
     assert merged["layer.bias"].tolist() == [1.0, 2.0]
 
 
-def test_with_dummy_image_adds_a_row_without_response_positions():
-    batch = Batch(
+def _batch(input_ids, responses, items):
+    ids = torch.tensor(input_ids)
+    return Batch(
         {
-            "input_ids": torch.tensor([[5, 6, 7, 8]]),
-            "attention_mask": torch.ones(1, 4, dtype=torch.bool),
-            "position_ids": torch.arange(4).expand(1, 4, 4).clone(),
-            "responses": torch.tensor([[7, 8]]),
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+            "position_ids": torch.arange(ids.shape[1]).expand(ids.shape[0], 4, -1).clone(),
+            "responses": torch.tensor(responses),
         },
-        {"multi_modal_inputs": [{}]},
+        {"multi_modal_inputs": items},
     )
-    dummy = DummyImage(image_token_id=99, pixel_values=torch.zeros(4, 6), image_grid_thw=torch.tensor([[1, 2, 2]]))
-    out = with_dummy_image(batch, dummy)
-    assert out["input_ids"].tolist() == [[5, 6, 7, 8], [0, 0, 0, 99]]
-    assert out["attention_mask"][1].tolist() == [False, False, False, True]
+
+
+def test_with_dummy_image_adds_a_row_without_response_positions():
+    pixels, grid = torch.zeros(4, 6), torch.tensor([[1, 2, 2]])
+    dummy = DummyImage(image_token_id=99, pixel_values=pixels, image_grid_thw=grid, video_token_id=98)
+    image = {"pixel_values": pixels, "image_grid_thw": grid}
+    video = {"pixel_values_videos": pixels, "video_grid_thw": grid}
+    # text only: a dummy video (first column) and a dummy image (last column), padding between
+    out = with_dummy_image(_batch([[5, 6, 7, 8]], [[7, 8]], [{}]), dummy)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 8], [98, 0, 0, 99]]
+    assert out["attention_mask"][1].tolist() == [True, False, False, True]
     assert response_valid_mask(out["attention_mask"], 2)[1].tolist() == [False, False]
-    assert out["multi_modal_inputs"][1]["image_grid_thw"].tolist() == [[1, 2, 2]]
+    assert out["multi_modal_inputs"][1].keys() == {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+    # images but no video: only the dummy video; videos but no image: only the dummy image
+    out = with_dummy_image(_batch([[5, 6, 7, 8]], [[7, 8]], [image]), dummy)
+    assert out["input_ids"][1].tolist() == [98, 0, 0, 0] and out["multi_modal_inputs"][1].keys() == video.keys()
+    out = with_dummy_image(_batch([[5, 6, 7, 8]], [[7, 8]], [video]), dummy)
+    assert out["input_ids"][1].tolist() == [0, 0, 0, 99] and out["multi_modal_inputs"][1].keys() == image.keys()
+    # both already there: the batch as is; a model without videos needs only an image
+    both = _batch([[5, 6, 7, 8], [1, 2, 3, 4]], [[7, 8], [3, 4]], [image, video])
+    assert with_dummy_image(both, dummy) is both
+    image_only_model = DummyImage(image_token_id=99, pixel_values=pixels, image_grid_thw=grid)
+    assert with_dummy_image(_batch([[5, 6, 7, 8]], [[7, 8]], [image]), image_only_model)["input_ids"].shape == (1, 4)
+    # length 2 (prompt 1, response 1): one column of left padding first, so the two dummies are not adjacent
+    out = with_dummy_image(_batch([[5, 6]], [[6]], [{}]), dummy)
+    assert out["input_ids"].tolist() == [[0, 5, 6], [98, 0, 99]]
+    assert out["attention_mask"].tolist() == [[False, True, True], [True, False, True]]
+    assert response_valid_mask(out["attention_mask"], 1).tolist() == [[True], [False]]
+    assert out["position_ids"][0, 0].tolist() == [0, 0, 1]
 
 
 def test_micro_batches_follow_the_micro_batching_spec():

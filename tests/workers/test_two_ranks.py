@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from workers_testing import (
+    LAYOUTS,
     ONE_RANK_ORDER,
-    PROMPTS,
     RESPONSE_LENGTHS,
     make_rl_batch,
     run_actor_and_critic,
@@ -24,12 +24,14 @@ from easyvlm.workers.dist import find_free_port
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_rank(process_group, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("layout", ["default", "mixed"])
+def test_two_ranks_equal_one_rank(process_group, tiny_model_path, tmp_path, layout):
+    """default: images and text on both ranks; mixed: rank 0 text only, rank 1 images and videos."""
     out_file = str(tmp_path / "two_ranks.pt")
-    mp.spawn(two_rank_main, args=(2, find_free_port(), tiny_model_path, out_file), nprocs=2, join=True)
+    mp.spawn(two_rank_main, args=(2, find_free_port(), tiny_model_path, out_file, layout), nprocs=2, join=True)
     two = torch.load(out_file, weights_only=False)
 
-    full = make_rl_batch(tiny_model_path, PROMPTS, RESPONSE_LENGTHS)
+    full = make_rl_batch(tiny_model_path, LAYOUTS[layout], RESPONSE_LENGTHS)
     noise, advantages = training_keys(full)
     order = torch.tensor(ONE_RANK_ORDER)
     one = run_actor_and_critic(

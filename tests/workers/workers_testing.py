@@ -22,9 +22,10 @@ def make_rl_batch(
     seed: int = 0,
     n: int = 1,
 ) -> Batch:
-    """prompts: (question, image (width, height) or None) per sample; response_lengths: tokens per sample.
-    ``n``: each prompt (with its image) is repeated n times in a row, as the rollout's groups are;
-    ``response_lengths`` then has len(prompts) * n entries.
+    """prompts: (question, media) per sample, media = an image's (width, height), ``("video", (width,
+    height))`` for a video of 4 noise frames (sampled at 2 fps), or None; response_lengths: tokens
+    per sample. ``n``: each prompt (with its media) is repeated n times in a row, as the rollout's
+    groups are; ``response_lengths`` then has len(prompts) * n entries.
 
     Returns tensors input_ids, attention_mask (B, P+T), position_ids (B, 4, P+T), responses,
     response_mask (B, T), and objects multi_modal_inputs.
@@ -36,17 +37,29 @@ def make_rl_batch(
     tokenizer = processor.tokenizer
     rng = np.random.default_rng(seed)
     ids, positions, mm_inputs = [], [], []
-    for question, size in prompts:
-        content = ([{"type": "image"}] if size else []) + [{"type": "text", "text": question}]
+    for question, media in prompts:
+        kind, size = (media if isinstance(media[0], str) else ("image", media)) if media else (None, None)
+        content = ([{"type": kind}] if kind else []) + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        images = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))] if size else None
-        enc = processor(text=[text], images=images, return_tensors="pt")
-        grid = enc.get("image_grid_thw")
-        pos = get_position_ids(enc["input_ids"], enc["attention_mask"], grid, model_config=hf_config)
+        kwargs = {}
+        if kind == "image":
+            kwargs["images"] = [Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))]
+        elif kind == "video":
+            from transformers.video_utils import VideoMetadata
+
+            kwargs["videos"] = [rng.integers(0, 256, (4, size[1], size[0], 3), dtype=np.uint8)]
+            kwargs["video_metadata"] = [VideoMetadata(fps=2.0, total_num_frames=4, frames_indices=[0, 1, 2, 3])]
+            kwargs["do_sample_frames"] = False
+        enc = processor(text=[text], return_tensors="pt", **kwargs)
+        mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw") if k in enc}
+        if enc.get("second_per_grid_ts") is not None:  # Qwen2.5-VL videos
+            mm["second_per_grid_ts"] = torch.as_tensor(enc["second_per_grid_ts"], dtype=torch.float32)
+        pos = get_position_ids(enc["input_ids"], enc["attention_mask"], mm.get("image_grid_thw"), mm.get("video_grid_thw"),
+                               model_config=hf_config, second_per_grid_ts=mm.get("second_per_grid_ts"))
         ids.append(enc["input_ids"][0])
         positions.append(pos[0])
-        mm_inputs.append({"pixel_values": enc["pixel_values"], "image_grid_thw": grid} if size else {})
+        mm_inputs.append(mm)
     ids, positions, mm_inputs = ([x for x in xs for _ in range(n)] for xs in (ids, positions, mm_inputs))
     pad = tokenizer.pad_token_id
     prompt_ids = left_pad(ids, pad)  # (B, P)
@@ -83,6 +96,19 @@ PROMPTS = [
     ("why", None),
 ]
 RESPONSE_LENGTHS = [5, 9, 3, 7, 1, 8, 4, 6]
+# Mixed media across ranks (EasyR1 #468): rank 0 gets only text (no visual input: it must still run
+# the vision tower, or FSDP's collectives go out of step), rank 1 images and videos of two sizes.
+MIXED_PROMPTS = [
+    ("hi", None),
+    ("a longer text-only question", None),
+    ("why", None),
+    ("colour?", None),
+    ("what is it?", (56, 56)),
+    ("which colour comes first?", ("video", (56, 56))),
+    ("x", ("video", (84, 56))),
+    ("how many?", (56, 84)),
+]
+LAYOUTS = {"default": PROMPTS, "mixed": MIXED_PROMPTS}
 
 
 def _value(v) -> str:
@@ -252,8 +278,9 @@ def run_actor_and_critic(
                 actor_weights=actor_weights, critic_weights=gather_full_state_dict(critic.model))
 
 
-def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_file: str) -> None:
-    """Entry point of each spawned rank: run on rows [4 r, 4 r + 4) and save rank 0's view."""
+def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_file: str, layout: str = "default") -> None:
+    """Entry point of each spawned rank: run on rows [4 r, 4 r + 4) of ``LAYOUTS[layout]`` and save
+    rank 0's view."""
     import os
 
     import torch.distributed as dist
@@ -263,7 +290,7 @@ def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_fi
     from easyvlm.workers.dist import init_distributed
 
     init_distributed("gloo")
-    full = make_rl_batch(model_path, PROMPTS, RESPONSE_LENGTHS)
+    full = make_rl_batch(model_path, LAYOUTS[layout], RESPONSE_LENGTHS)
     noise, advantages = training_keys(full)
     rows = slice(4 * rank, 4 * rank + 4)
     out = run_actor_and_critic(model_path, full.index(rows), noise[rows], advantages[rows], rank, world_size)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GRPO on geometry3k (geometry problems with a diagram) with Qwen3-VL-8B-Instruct on 8 GPUs: the
+# Qwen2.5-VL-7B recipe's settings (the two models are of a size). EasyR1: qwen3_vl_4b_geo3k_grpo.sh
+# at 8B. docs/recipes.md explains the settings. Extra key=value arguments are passed on.
+set -euo pipefail
+cd "$(dirname "$0")/.."  # paths below are relative to the repository root
+export PYTHONUNBUFFERED=1
+
+MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-VL-8B-Instruct}  # or a local directory
+
+python3 -m easyvlm.trainer.main \
+    config=examples/qwen2_5_vl_gpu.yaml \
+    data.train_files=hiyouga/geometry3k@train \
+    data.val_files=hiyouga/geometry3k@test \
+    data.format_prompt=./format_prompts/math.jinja \
+    worker.actor.model.model_path="${MODEL_PATH}" \
+    worker.rollout.tensor_parallel_size=2 \
+    worker.reward.reward_function=./reward_functions/math.py:compute_score \
+    trainer.experiment_name=qwen3_vl_8b_geo3k_grpo \
+    trainer.n_gpus_per_node=8 \
+    "$@"
