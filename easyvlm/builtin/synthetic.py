@@ -275,11 +275,20 @@ def dataset_cache_dir(
         return importlib.import_module(EXTERNAL_DATASETS[name]).dataset_cache_dir(split, cache_dir, name, num_samples)
     if name not in BUILTIN_DATASETS:
         raise SyntheticDatasetError(f"unknown built-in data set {name!r}; known: {builtin_dataset_names()}")
+    return sized_cache_dir(name, split, num_samples, DEFAULT_SIZES, BUILD_VERSION, cache_dir)
+
+
+def sized_cache_dir(
+    name: str, split: str, num_samples: int | None, default_sizes: dict[str, int], build_version: int,
+    cache_dir: str | os.PathLike | None,
+) -> Path:
+    """``<cache>/datasets/<name>-<split>-<n>-v<build_version>`` (n: ``num_samples``, else the split's
+    default size); the image and video data sets share the layout."""
     check_split(split)
-    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
+    n = default_sizes[split] if num_samples is None else num_samples
     if n <= 0:
         raise SyntheticDatasetError(f"num_samples must be positive, got {n}")
-    return cache_root(cache_dir) / "datasets" / f"{name}-{split}-{n}-v{BUILD_VERSION}"
+    return cache_root(cache_dir) / "datasets" / f"{name}-{split}-{n}-v{build_version}"
 
 
 def materialize_dataset(

@@ -42,13 +42,13 @@ from easyvlm.builtin.synthetic import (
     SHAPES,
     SINGLE_SIZE,
     SyntheticDatasetError,
-    check_split,
     distinct_samples,
+    sized_cache_dir,
     draw_shape,
     png_bytes,
 )
 from easyvlm.data.videos import write_video
-from easyvlm.utils.cache import build_once, cache_root
+from easyvlm.utils.cache import build_once
 
 # Bump when rendering, encoding, questions or row format change (it is part of the cache key).
 BUILD_VERSION = 1
@@ -181,11 +181,7 @@ def dataset_cache_dir(
     """The directory ``materialize_dataset`` fills (whether or not it exists yet)."""
     if name not in VIDEO_DATASETS:
         raise SyntheticDatasetError(f"unknown built-in video data set {name!r}; known: {sorted(VIDEO_DATASETS)}")
-    check_split(split)
-    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
-    if n <= 0:
-        raise SyntheticDatasetError(f"num_samples must be positive, got {n}")
-    return cache_root(cache_dir) / "datasets" / f"{name}-{split}-{n}-v{BUILD_VERSION}"
+    return sized_cache_dir(name, split, num_samples, DEFAULT_SIZES, BUILD_VERSION, cache_dir)
 
 
 def materialize_dataset(

@@ -151,6 +151,11 @@ class PromptEncoder:
             return []
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
+    def search_dirs(self, base_dir: Any) -> list:
+        """Where relative image and video paths are looked for: data.image_dir when set (as EasyR1),
+        else the data file's directory, then the working directory."""
+        return [self.image_dir] if self.image_dir else [base_dir, os.getcwd()]
+
     def raw_videos(self, row: dict) -> list:
         """The row's videos: each a file path (or {"path": ...}) or a list of frame images.
 
@@ -168,7 +173,7 @@ class PromptEncoder:
                 videos.append(
                     load_video(
                         value,
-                        [self.image_dir] if self.image_dir else [base_dir, os.getcwd()],
+                        self.search_dirs(base_dir),
                         self.processor,
                         fps=self.config.video_fps,
                         max_frames=self.config.video_max_frames,
@@ -185,8 +190,7 @@ class PromptEncoder:
         images, sizes = [], []
         for k, value in enumerate(self.raw_images(row)):
             try:
-                # data.image_dir when set (as EasyR1), else the data file's directory, then the working directory
-                image = load_image(value, [self.image_dir] if self.image_dir else [base_dir, os.getcwd()])
+                image = load_image(value, self.search_dirs(base_dir))
                 sizes.append(image.size)
                 images.append(
                     fit_image(
