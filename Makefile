@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup test test-fast demo bench docs clean-cache
+.PHONY: setup browser test test-fast demo bench docs clean-cache
 
 setup: $(STAMP)
 
@@ -25,15 +25,20 @@ $(STAMP): $(REQS)
 	@rm -f $(VENV)/.setup-*
 	@touch $@
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
+
+# Debian's Chromium, for the rollout viewer's browser tests (tests/viewer/test_browser.py)
+browser:
+	@command -v chromium >/dev/null || apt-get install -y -qq chromium >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
 demo: setup
 	$(BIN)/python -m easyvlm.trainer.main config=examples/config.yaml
-	$(BIN)/python -m easyvlm.trainer.plot checkpoints/easyvlm/tiny_synthetic_grpo/experiment_log.jsonl checkpoints/easyvlm/tiny_synthetic_grpo/learning_curve.png
+	@echo "easyvlm: learning curve: checkpoints/easyvlm/tiny_synthetic_grpo/learning_curve.png; rollouts: checkpoints/easyvlm/tiny_synthetic_grpo/rollouts/index.html"
 
 docs: setup
 	$(BIN)/python -m easyvlm.config.reference

@@ -517,6 +517,12 @@ class TrainerConfig:
     """Validation samples (prompt, response, ground truth, score) logged each validation: to
     `val_generations.jsonl` in the run directory, `generations.log` (file logger), the `val/generations`
     table (wandb, swanlab) and the console."""
+    rollout_log_freq: int = -1
+    """easyvlm extra. Write the rollout viewer's pages every this many steps, and at every
+    validation: `<save_checkpoint_path>/rollouts/step_<N>.jsonl` and `.html` (each prompt's images,
+    its n responses with rewards, advantages and tokens shaded by log-prob; filters) and
+    `rollouts/index.html` across steps; static files, opened from disk. Written in a background
+    thread; trackers that show media (wandb, swanlab, mlflow) get them too. -1 = off."""
     save_freq: int = -1
     """Save a checkpoint every this many steps; -1 = no periodic checkpoints."""
     save_limit: int = -1

@@ -566,7 +566,7 @@ def _check_trainer(c: _Checks) -> None:
     c.at_least(f"{p}.n_gpus_per_node", 1, why=" (on the CPU: worker processes)")
     c.at_least(f"{p}.max_try_make_batch", 1, allow=(-1,), why=" (-1 = no limit)")
     c.at_least(f"{p}.critic_warmup", 0)
-    for key in ("val_freq", "save_freq"):
+    for key in ("val_freq", "save_freq", "rollout_log_freq"):
         if getattr(t, key) == 0 or getattr(t, key) < -1:
             c.add(f"{p}.{key}", f"must be -1 (off) or >= 1 (every that many steps), got {getattr(t, key)}")
     c.at_least(f"{p}.save_limit", 1, allow=(-1,), why=" (-1 = keep all)")

@@ -121,9 +121,15 @@ def create_dataloaders(
     train_loader = PromptDataLoader(train, prompts_per_round, config.shuffle, config.seed, drop_last=True)
     if not config.val_files:
         return train_loader, None
+    return train_loader, create_val_loader(config, tokenizer, processor, model_config)
+
+
+def create_val_loader(config: DataConfig, tokenizer: Any, processor: Any, model_config: Any) -> PromptDataLoader:
+    """The validation loader: ``val_batch_size`` prompts per batch (-1 = all), file order, nothing
+    dropped (the trainer's validation and ``python -m easyvlm.eval`` batch alike)."""
     val = RLDataset(config.val_files, config, tokenizer, processor, model_config, "data.val_files", "val")
     val_batch_size = len(val) if config.val_batch_size == -1 else config.val_batch_size
-    return train_loader, PromptDataLoader(val, val_batch_size, False, 0, drop_last=False)
+    return PromptDataLoader(val, val_batch_size, False, 0, drop_last=False)
 
 
 def plan_dataloaders(plan: RunPlan) -> tuple[PromptDataLoader, PromptDataLoader | None]:

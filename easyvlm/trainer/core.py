@@ -86,6 +86,17 @@ def concat_rollouts(batches: Sequence[Batch], pad_token_id: int) -> Batch:
     return Batch.concat(padded)
 
 
+# the kinds of generation calls, part of their sampling seeds
+TRAIN_CALL, VAL_CALL = 0, 1
+
+
+def validation_prompts(prompts: Batch, per_request_seed: bool, seed: int, step: int, index: int) -> Batch:
+    """Validation batch ``index`` at ``step``, seeded as the trainer's validation seeds it (with
+    ``worker.rollout.per_request_seed``; else as it is): ``python -m easyvlm.eval`` uses the same
+    function, so it samples what the trainer's validation at that step sampled."""
+    return seeded_prompts(prompts, seed, (VAL_CALL, step, index)) if per_request_seed else prompts
+
+
 def seeded_prompts(prompts: Batch, seed: int, call: tuple[int, ...]) -> Batch:
     """A copy of ``prompts`` with a sampling seed per prompt (``rollout.base.SEED_KEY``), derived
     from ``seed`` (worker.rollout.seed) and the generation call (kind, step, round or batch): a

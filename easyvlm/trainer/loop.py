@@ -40,14 +40,17 @@ from easyvlm.trainer.metrics import (
     timing_per_token_metrics,
     val_metrics,
 )
+from easyvlm.trainer.plot import write_learning_curve
 from easyvlm.trainer.tracking import Generation, Tracker, data_order_log
+from easyvlm.viewer.records import RolloutCapture, capture_rollouts
+from easyvlm.viewer.writer import RolloutWriter
 from easyvlm.workers.actor import update_is_on_policy
 from easyvlm.workers.hybrid import CriticHost, HybridWorker
 
 logger = logging.getLogger("easyvlm")
 
 # the kinds of generation calls, part of their sampling seeds (Trainer._seeded)
-TRAIN_CALL, VAL_CALL = 0, 1
+TRAIN_CALL, VAL_CALL = core.TRAIN_CALL, core.VAL_CALL
 
 
 class OnlineFilterError(RuntimeError):
@@ -78,6 +81,7 @@ class Trainer:
         self.global_step = 0
         self._step_uids: list[str] = []  # prompts of the current step, for the data-order log
         self.tracker: Tracker | None = None  # made by fit()
+        self.viewer: RolloutWriter | None = None  # made by fit() when trainer.rollout_log_freq > 0
         # ranks of a Ulysses group share their samples in the model passes (generation is not split)
         self.actor_sp = plan.actor.forward.ulysses_size
         self.critic_sp = plan.critic.forward.ulysses_size if plan.critic is not None else 1
@@ -112,11 +116,20 @@ class Trainer:
             self.global_step,
         )
         order_log = data_order_log(Path(self.derived.save_checkpoint_path), self.global_step)
+        if cfg.rollout_log_freq > 0:
+            self.viewer = RolloutWriter(
+                Path(self.derived.save_checkpoint_path) / "rollouts",
+                self.tokenizer,
+                self.cfg.worker.reward.skip_special_tokens,
+                on_page=tracker.log_rollouts,
+            )
         last_metrics: dict[str, float] = {}
+        curve_rows: list[dict] = []  # this launch's reward and validation values, for the learning curve
         try:
             if self.global_step == 0 and (cfg.val_before_train or cfg.val_only):
                 last_metrics = self.validate()
                 tracker.log(0, last_metrics)
+                curve_rows.append(_curve_row(0, last_metrics))
             if cfg.val_only:
                 return last_metrics
             for prompts in self._prompt_batches():
@@ -132,16 +145,31 @@ class Trainer:
                     with timed("save_checkpoint", metrics):
                         self.save_checkpoint(metrics.get("val/reward_score"))
                 tracker.log(self.global_step, metrics)
+                curve_rows.append(_curve_row(self.global_step, metrics))
                 last_metrics = metrics
                 if is_last:
                     break
         finally:
+            if self.viewer is not None:  # before the tracker: it hands pages to the trackers
+                self.viewer.close()
+                self.viewer = None
             tracker.close()
+            self._write_learning_curve(curve_rows)
             if order_log is not None:
                 order_log.close()
             if cfg.ray_timeline:  # before shutdown: killed actors lose the events they have not flushed
                 ray.timeline(filename=cfg.ray_timeline)
         return last_metrics
+
+    def _write_learning_curve(self, rows: list[dict]) -> None:
+        """<run dir>/learning_curve.png: from the file logger's whole history (a resumed run's
+        earlier steps included) when it is on, else from this launch's rows. A failed plot is
+        reported, never raised: the run itself is done."""
+        try:
+            history = None if "file" in self.cfg.trainer.logger else rows
+            write_learning_curve(Path(self.derived.save_checkpoint_path), history)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("easyvlm: could not draw the learning curve: %r", e)
 
     def _prompt_batches(self):
         """Prompt batches until total_steps, across epochs (the loader resumes mid-epoch)."""
@@ -229,6 +257,9 @@ class Trainer:
         metrics.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.derived.world_size))
         metrics["training/global_step"] = float(self.global_step)
         metrics["training/epoch"] = float(self.train_loader.epoch)
+        if self.viewer is not None and self.global_step % self.cfg.trainer.rollout_log_freq == 0:
+            # plain lists and references here; the page is written in the viewer's thread
+            self.viewer.submit([capture_rollouts(self.global_step, "train", batch, result.scores, result.overall)])
         return metrics
 
     # ------------------------------------------------------------------ generation and rewards
@@ -313,14 +344,21 @@ class Trainer:
             return {}
         scores: dict[str, list[float]] = {}
         samples = []
+        captures: list[RolloutCapture] = []
         sampling: Sampling = self.plan.rollout.val_sampling
         for index, prompts in enumerate(self.val_loader):
-            batch = self.hybrid.dispatch("generate", self._seeded(prompts, VAL_CALL, self.global_step, index), sampling=sampling)
+            rollout = self.plan.rollout
+            prompts = core.validation_prompts(prompts, rollout.per_request_seed, self.cfg.worker.rollout.seed, self.global_step, index)
+            batch = self.hybrid.dispatch("generate", prompts, sampling=sampling)
             inputs = self._reward_inputs(batch)
             result: RewardResult = ray.get(self.reward_actor.compute.remote(inputs))
             for key, values in result.scores.items():
                 scores.setdefault(key, []).extend(values)
             samples.extend(zip([i.prompt for i in inputs], [i.response for i in inputs], [i.ground_truth for i in inputs], result.overall))
+            if self.viewer is not None:
+                captures.append(capture_rollouts(self.global_step, "val", batch, result.scores, result.overall))
+        if self.viewer is not None:
+            self.viewer.submit(captures)
         metrics = val_metrics(scores)
         count = self.cfg.trainer.val_generations_to_log
         if count > 0 and self.tracker is not None:
@@ -374,6 +412,10 @@ class Trainer:
                 group.shutdown()
         self.critic = self.hybrid = None
         ray.kill(self.reward_actor)
+
+
+def _curve_row(step: int, metrics: dict[str, float]) -> dict:
+    return {"step": step, **{k: v for k, v in metrics.items() if k.startswith(("reward/", "val/"))}}
 
 
 def _rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -1,6 +1,11 @@
-"""Plot the learning curve of a run from its experiment_log.jsonl.
+"""Plot a run's rewards and validation scores: every ``reward/*`` and ``val/*`` key it logged.
 
-    python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl curve.png
+    python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
+
+Two panels: the training rewards per step (the sampled responses' ``reward/*`` means) and the
+validation scores (``val/*``, at each validation). Without OUT the figure goes next to the log as
+``learning_curve.png``. The trainer writes the same figure at the end of every run
+(``write_learning_curve``).
 """
 
 from __future__ import annotations
@@ -9,11 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-CURVES = (
-    ("reward/accuracy", "train accuracy (sampled)"),
-    ("val/accuracy_reward", "validation accuracy (held-out prompts)"),
-    ("reward/overall", "train reward (overall)"),
-)
+PANELS = (("reward/", "training rewards (sampled responses)"), ("val/", "validation"))
+CURVE_FILE = "learning_curve.png"
 
 
 def read_log(path: Path) -> list[dict]:
@@ -21,42 +23,80 @@ def read_log(path: Path) -> list[dict]:
 
 
 def curve_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
-    """(step, value) of every row that logged ``key`` (validation runs only every val_freq steps)."""
-    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    """(step, value) of every row that logged ``key`` as a number (validation: every val_freq steps)."""
+    return [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
 
-def plot(log_path: Path, out_path: Path) -> Path:
+def panel_series(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """{panel prefix: {key: points}} for every key of the rows under ``reward/`` and ``val/``, in
+    key order; keys with no numeric value are left out."""
+    keys = sorted({k for r in rows for k in r})
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for prefix, _ in PANELS:
+        found = {k: curve_points(rows, k) for k in keys if k.startswith(prefix)}
+        series[prefix] = {k: points for k, points in found.items() if points}
+    return series
+
+
+def plot_rows(rows: list[dict], out_path: Path, title: str) -> Path | None:
+    """Draw ``rows`` (experiment_log.jsonl's) to ``out_path``; None when they hold no reward or
+    validation key."""
+    series = panel_series(rows)
+    if not any(series.values()):
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_log(log_path)
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    for key, label in CURVES:
-        points = curve_points(rows, key)
-        if points:
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if key.startswith("val/") else None, markersize=3, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("score")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(log_path.parent.name)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for ax, (prefix, label) in zip(axes, PANELS):
+        values = []
+        for key, points in series[prefix].items():
+            steps, ys = zip(*points)
+            values += ys
+            ax.plot(steps, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key.removeprefix(prefix))
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if values and 0 <= min(values) and max(values) <= 1:  # scores in [0, 1]: a fixed scale compares runs
+            ax.set_ylim(-0.02, 1.02)
+        if series[prefix]:
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path)
+    plt.close(fig)
     return out_path
+
+
+def write_learning_curve(save_dir: Path, rows: list[dict] | None = None) -> Path | None:
+    """``<save_dir>/learning_curve.png`` from ``rows``, else from ``<save_dir>/experiment_log.jsonl``
+    (the file logger's); None when there is nothing to plot."""
+    save_dir = Path(save_dir)
+    if rows is None:
+        log = save_dir / "experiment_log.jsonl"
+        rows = read_log(log) if log.is_file() else []
+    return plot_rows(rows, save_dir / CURVE_FILE, save_dir.name)
+
+
+def plot(log_path: Path, out_path: Path) -> Path | None:
+    return plot_rows(read_log(log_path), out_path, log_path.parent.name)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: python -m easyvlm.trainer.plot LOG.jsonl OUT.png")
-    if not Path(argv[0]).is_file():
-        raise SystemExit(f"easyvlm.trainer.plot: no log at {argv[0]}; a run writes <save_checkpoint_path>/experiment_log.jsonl")
-    print(f"wrote {plot(Path(argv[0]), Path(argv[1]))}")
+    if len(argv) not in (1, 2):
+        raise SystemExit("usage: python -m easyvlm.trainer.plot LOG.jsonl [OUT.png]")
+    log = Path(argv[0])
+    if not log.is_file():
+        raise SystemExit(f"easyvlm.trainer.plot: no log at {log}; a run writes <save_checkpoint_path>/experiment_log.jsonl")
+    out = Path(argv[1]) if len(argv) == 2 else log.parent / CURVE_FILE
+    written = plot(log, out)
+    if written is None:
+        raise SystemExit(f"easyvlm.trainer.plot: {log} has no reward/ or val/ values to plot")
+    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

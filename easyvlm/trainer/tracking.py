@@ -21,6 +21,14 @@ Per logger:
 
 wandb and swanlab also get a ``val/generations`` table / texts of the validation samples.
 
+Rollout viewer pages (``trainer.rollout_log_freq``, easyvlm/viewer) reach the trackers that show
+media, through ``Tracker.log_rollouts`` (called from the viewer's writer thread, so every backend
+call holds the tracker's lock): wandb a ``<split>/rollouts`` table with each sample's first image,
+swanlab ``<split>/rollouts`` images captioned with the response and its reward (both at most
+``MEDIA_SAMPLES`` samples per page: images are costly to upload), mlflow the page itself (JSONL,
+HTML and the media it shows) as artifacts under ``rollouts/``. A tracker that fails on a page is
+reported once and training goes on; a page is not worth a run.
+
 A resumed run (``start_step`` > 0) first drops the rows of steps after its checkpoint from the
 JSONL files and ``generations.log``, so no step is recorded twice; a new run (``start_step`` = 0)
 starts them empty.
@@ -35,6 +43,7 @@ import netrc
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +51,9 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
 from tqdm import tqdm
+
+# samples per viewer page sent to wandb and swanlab (each carries an image)
+MEDIA_SAMPLES = 16
 
 # the few metrics shown beside the progress bar
 CONSOLE_KEYS = ("reward/overall", "val/reward_score", "response_length/mean", "actor/pg_loss", "timing_s/step")
@@ -98,8 +110,18 @@ class Backend:
     def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
         pass  # loggers without a place for text ignore the samples
 
+    def log_rollouts(self, step: int, split: str, samples: Sequence[Any], root: Path, page: str) -> None:
+        pass  # loggers without a place for media ignore the viewer's pages
+
     def close(self) -> None:
         pass
+
+
+def _first_image(sample: Any) -> str | None:
+    """The relative path of a viewer sample's first image, else its first video frame."""
+    if sample.images:
+        return sample.images[0]
+    return sample.videos[0][0] if sample.videos and sample.videos[0] else None
 
 
 # ---------------------------------------------------------------------------- files
@@ -252,6 +274,23 @@ class WandbBackend(Backend):
         self.rows.extend([step, *s] for s in samples)
         self.run.log({"val/generations": self.wandb.Table(columns=self.COLUMNS, data=self.rows)}, step=step)
 
+    ROLLOUT_COLUMNS = ["step", "uid", "sample", "prompt", "image", "response", "ground_truth", "reward", "advantage", "response_length"]
+
+    def log_rollouts(self, step: int, split: str, samples: Sequence[Any], root: Path, page: str) -> None:
+        rows, images = [], []
+        for s in samples[:MEDIA_SAMPLES]:
+            image = _first_image(s)
+            picture = self.wandb.Image(str(root / image), caption=f"{s.uid} #{s.index} reward {s.reward:.3f}: {s.response}"[:500]) if image else None
+            rows.append([s.step, s.uid, s.index, s.prompt, picture, s.response, s.ground_truth, s.reward, s.advantage, s.response_length])
+            images += [picture] if picture is not None else []
+        # no step= here: this thread may log a page after the main thread moved to a later step.
+        # Offline runs store a table's images as the word "Image" (wandb#4611), so the images go
+        # as a captioned list too, which offline runs keep.
+        logged: dict[str, Any] = {f"{split}/rollouts": self.wandb.Table(columns=self.ROLLOUT_COLUMNS, data=rows)}
+        if images:
+            logged[f"{split}/rollout_images"] = images
+        self.run.log(logged)
+
     def close(self) -> None:
         self.run.finish()
         self.wandb.teardown()  # stops wandb's service process (it outlives finish() otherwise)
@@ -281,6 +320,16 @@ class SwanlabBackend(Backend):
     def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
         texts = [self.swanlab.Text(_sample_text(s), caption=f"sample {i + 1}") for i, s in enumerate(samples)]
         self.run.log({"val/generations": texts}, step=step)
+
+    def log_rollouts(self, step: int, split: str, samples: Sequence[Any], root: Path, page: str) -> None:
+        images = []
+        for s in samples[:MEDIA_SAMPLES]:
+            image = _first_image(s)
+            if image:
+                caption = f"step {s.step} {s.uid} #{s.index} reward {s.reward:.3f}: {s.response}"
+                images.append(self.swanlab.Image(str(root / image), caption=caption[:500]))
+        if images:
+            self.run.log({f"{split}/rollouts": images}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -317,6 +366,14 @@ class MlflowBackend(Backend):
         rows = [Metric(key, float(value), now, step) for key, value in metrics.items()]
         for chunk in _chunks(rows, MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=chunk)
+
+    def log_rollouts(self, step: int, split: str, samples: Sequence[Any], root: Path, page: str) -> None:
+        # the page and the media it shows, at the same relative paths, so the HTML works in the store
+        for name in (f"{page}.jsonl", f"{page}.html"):
+            self.client.log_artifact(self.run_id, str(root / name), "rollouts")
+        media = sorted({p for s in samples for p in [*s.images, *(f for v in s.videos for f in v)]})
+        for relative in media:
+            self.client.log_artifact(self.run_id, str(root / relative), str(Path("rollouts") / Path(relative).parent))
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -361,6 +418,9 @@ class Tracker:
         self.info = info
         self.generations: JsonlBackend | None = None  # val_generations.jsonl, opened on first use
         self.backends: list[Backend] = []
+        # the rollout viewer's thread logs pages while the main thread logs metrics
+        self.lock = threading.RLock()
+        self.failed_media: set[str] = set()
         try:
             for name in loggers:
                 self.backends.append(LOGGERS[name](info))
@@ -369,14 +429,33 @@ class Tracker:
             raise
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for backend in self.backends:
-            backend.log(step, metrics)
+        with self.lock:
+            for backend in self.backends:
+                backend.log(step, metrics)
+
+    def log_rollouts(self, step: int, split: str, samples: Sequence[Any], root: Path, page: str) -> None:
+        """Hand a rollout viewer page (easyvlm.viewer: ``root/<page>.jsonl`` and ``.html``, the
+        samples' media relative to ``root``) to the backends that show media. A backend that fails
+        is reported once and skipped."""
+        with self.lock:
+            for backend in self.backends:
+                try:
+                    backend.log_rollouts(step, split, samples, Path(root), page)
+                except Exception as e:  # noqa: BLE001 - a page is not worth the run
+                    name = type(backend).__name__
+                    if name not in self.failed_media:
+                        self.failed_media.add(name)
+                        _say(f"{name}: could not log the rollouts of step {step} ({e!r}); training goes on")
 
     def log_generations(self, step: int, samples: Sequence[Generation]) -> None:
         """Record validation samples of ``step`` (the caller picks how many: trainer.val_generations_to_log)."""
         if not samples:
             return
         samples = [Generation(str(p), str(r), str(g), float(s)) for p, r, g, s in samples]
+        with self.lock:
+            self._log_generations(step, samples)
+
+    def _log_generations(self, step: int, samples: Sequence[Generation]) -> None:
         if self.generations is None:
             self.generations = JsonlBackend(self.info.save_dir / "val_generations.jsonl", self.info.start_step)
         for sample in samples:
@@ -386,6 +465,10 @@ class Tracker:
 
     def close(self) -> None:
         """Close every logger, even if one fails (the first error is raised after)."""
+        with self.lock:
+            self._close()
+
+    def _close(self) -> None:
         error: BaseException | None = None
         for backend in [*self.backends, *([self.generations] if self.generations else [])]:
             try:

@@ -343,6 +343,8 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("trainer.val_before_train", FLOW, f"{LOOP}::test_no_validation_no_checkpoint_no_timeline"),
     effects("trainer.val_only", f"{LOOP}::test_val_only_validates_once_and_stops"),
     effects("trainer.val_generations_to_log", f"{LOOP}::test_val_generations_to_log"),
+    effects("trainer.rollout_log_freq",
+            "tests/trainer/test_viewer_e2e.py::TestViewerOfARun::test_each_step_and_the_validation_get_a_page_matching_the_logged_metrics"),
     effects("trainer.save_freq", FLOW, f"{LOOP}::test_no_validation_no_checkpoint_no_timeline"),
     effects("trainer.save_limit", f"{LOOP}::test_save_limit_prunes_the_loops_checkpoints",
             f"{CKPT}::test_save_limit_keeps_latest_and_best"),

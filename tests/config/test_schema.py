@@ -127,6 +127,7 @@ EASYR1_DEFAULTS = {
     "trainer.val_before_train": True,
     "trainer.val_only": False,
     "trainer.val_generations_to_log": 0,
+    "trainer.rollout_log_freq": -1,
     "trainer.save_freq": -1,
     "trainer.save_limit": -1,
     "trainer.save_model_only": False,

@@ -171,6 +171,7 @@ RULES = [
     (["trainer.val_freq=0"], "trainer.val_freq", "-1 (off) or >= 1"),
     (["trainer.save_freq=0"], "trainer.save_freq", "-1 (off) or >= 1"),
     (["trainer.save_freq=-2"], "trainer.save_freq", "-1 (off) or >= 1"),
+    (["trainer.rollout_log_freq=0"], "trainer.rollout_log_freq", "-1 (off) or >= 1"),
     (["trainer.total_epochs=0"], "trainer.total_epochs", ">= 1"),
     (["trainer.max_steps=0"], "trainer.max_steps", ">= 1"),
     (["trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node", ">= 1"),

@@ -296,3 +296,111 @@ def test_missing_logger_packages_imports_nothing_heavy():
 def test_unknown_logger_lists_the_known_ones():
     with pytest.raises(KeyError, match="unknown logger.*'neptune'.*known: \\['console', 'file'"):
         Tracker(["neptune"], Path("/nonexistent"), "p", "e", {}, 1)
+
+
+# ---------------------------------------------------------------------------- rollout viewer pages
+def viewer_page(root: Path) -> list:
+    """A viewer page of 3 samples: two share a red image, the third shows a video's blue frame."""
+    from PIL import Image
+
+    from easyvlm.viewer.pages import write_page
+    from easyvlm.viewer.records import RolloutSample
+
+    (root / "media").mkdir(parents=True)
+    Image.new("RGB", (6, 5), "red").save(root / "media" / "red.png")
+    Image.new("RGB", (4, 4), "blue").save(root / "media" / "blue.png")
+    samples = [
+        RolloutSample(step=1, split="train", uid=f"u{i // 2}", index=i % 2, prompt="p", images=["media/red.png"] if i < 2 else [],
+                      videos=[] if i < 2 else [["media/blue.png"]], response=f"answer {i}", ground_truth="g", reward=float(i) / 2,
+                      scores={"overall": float(i) / 2}, advantage=0.25 * i, response_length=2, tokens=["a", "b"], logprobs=[-1.0, -2.0])
+        for i in range(3)
+    ]
+    write_page(samples, root, "step_1", "training rollouts, step 1")
+    return samples
+
+
+def log_page(logger: str, run_dir: Path) -> list:
+    samples = viewer_page(run_dir / "rollouts")
+    tracker = Tracker([logger], run_dir, "proj", "exp", CONFIG, total_steps=1)
+    try:
+        tracker.log(1, {"reward/overall": 0.5})
+        tracker.log_rollouts(1, "train", samples, run_dir / "rollouts", "step_1")
+    finally:
+        tracker.close()
+    return samples
+
+
+def test_wandb_gets_the_rollouts_table_and_captioned_images(clean_env, tmp_path):
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    log_page("wandb", tmp_path)
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    row = {}
+    for raw in leveldb_records(next(run_dir.glob("run-*.wandb"))):
+        record = Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            row.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    table = json.loads((run_dir / "files" / row["train/rollouts/path"]).read_text())
+    assert [(r[1], r[2], r[5], r[7], r[8]) for r in table["data"]] == [
+        ("u0", 0, "answer 0", 0.0, 0.0), ("u0", 1, "answer 1", 0.5, 0.25), ("u1", 0, "answer 2", 1.0, 0.5)
+    ]
+    assert row["train/rollout_images/captions"] == ["u0 #0 reward 0.000: answer 0", "u0 #1 reward 0.500: answer 1", "u1 #0 reward 1.000: answer 2"]
+    from PIL import Image
+
+    colours = [Image.open(run_dir / "files" / name).getpixel((0, 0)) for name in row["train/rollout_images/filenames"]]
+    assert colours == [(255, 0, 0), (255, 0, 0), (0, 0, 255)]  # the video's first frame for the third
+
+
+def test_swanlab_gets_captioned_images(clean_env, tmp_path):
+    from PIL import Image
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+
+    log_page("swanlab", tmp_path)
+    (run_dir,) = (tmp_path / "swanlog").glob("run-*")
+    media = []
+    for raw in leveldb_records(next(run_dir.glob("run-*.swanlab"))):
+        record = Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "media" and record.media.key == "train/rollouts":
+            media += list(record.media.value.items)
+    assert [m.caption for m in media] == ["step 1 u0 #0 reward 0.000: answer 0", "step 1 u0 #1 reward 0.500: answer 1", "step 1 u1 #0 reward 1.000: answer 2"]
+    assert [Image.open(run_dir / "media" / "image" / m.filename).getpixel((0, 0)) for m in media] == [(255, 0, 0), (255, 0, 0), (0, 0, 255)]
+
+
+def test_mlflow_gets_the_page_and_its_media_as_artifacts(clean_env, tmp_path):
+    from mlflow import MlflowClient
+
+    log_page("mlflow", tmp_path)
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    listed = {a.path for a in client.list_artifacts(run.info.run_id, "rollouts")}
+    listed |= {a.path for a in client.list_artifacts(run.info.run_id, "rollouts/media")}
+    assert listed == {"rollouts/step_1.jsonl", "rollouts/step_1.html", "rollouts/media", "rollouts/media/red.png", "rollouts/media/blue.png"}
+    local = Path(client.download_artifacts(run.info.run_id, "rollouts", str(tmp_path / "download")))
+    assert (local / "step_1.html").read_text() == (tmp_path / "rollouts" / "step_1.html").read_text()
+
+
+def test_a_tracker_failing_on_a_page_is_reported_once_and_training_goes_on(clean_env, tmp_path, capsys):
+    class Broken(tracking.Backend):
+        def __init__(self, info):
+            self.logged = []
+
+        def log(self, step, metrics):
+            self.logged.append(step)
+
+        def log_rollouts(self, step, split, samples, root, page):
+            raise OSError("store is read-only")
+
+    samples = viewer_page(tmp_path / "rollouts")
+    tracking.LOGGERS["broken"] = Broken
+    try:
+        tracker = Tracker(["broken"], tmp_path, "proj", "exp", CONFIG, total_steps=2)
+        for step in (1, 2):
+            tracker.log_rollouts(step, "train", samples, tmp_path / "rollouts", "step_1")
+            tracker.log(step, {"reward/overall": 0.5})
+        assert tracker.backends[0].logged == [1, 2]
+        tracker.close()
+    finally:
+        del tracking.LOGGERS["broken"]
+    assert capsys.readouterr().err.count("store is read-only") == 1

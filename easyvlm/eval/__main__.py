@@ -1,0 +1,3 @@
+from easyvlm.eval.run import main
+
+main()

@@ -1,0 +1,216 @@
+"""What the rollout viewer records: one ``RolloutSample`` per sampled response, one JSON line each.
+
+A step's rollouts are captured in the driver in two parts, so that the training step pays only for
+the first:
+
+1. ``capture_rollouts`` (on the step's path, cheap): the tensors the viewer needs, as plain lists,
+   and the media of one row per prompt group (the n samples of a prompt share them);
+2. ``build_samples`` (in the viewer's writer thread): responses and token strings decoded, media saved as PNG
+   files under ``<rollouts>/media/`` (named by content hash, so an image seen at every step is
+   stored once), and the records assembled.
+
+Rows of ``step_<N>.jsonl`` (and ``val_step_<N>.jsonl``) are ``dataclasses.asdict(RolloutSample)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+# the frames of a video shown in the viewer: evenly spaced, first and last included
+VIDEO_FRAMES_SHOWN = 4
+MEDIA_DIR = "media"
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One sampled response and everything the viewer shows beside it."""
+
+    step: int
+    split: str
+    """"train" or "val"."""
+    uid: str
+    """The prompt group: the n samples of one prompt share it."""
+    index: int
+    """Sample j (0..n-1) of its group."""
+    prompt: str
+    """The prompt text as the model saw it (format prompt and chat template applied)."""
+    images: list[str]
+    """The prompt's images: PNG files relative to the rollouts directory."""
+    videos: list[list[str]]
+    """The prompt's videos: a few of each video's frames (PNG files, relative)."""
+    response: str
+    ground_truth: str
+    reward: float
+    """The overall reward (``reward/overall``)."""
+    scores: dict[str, float]
+    """Every key the reward function returned for this sample (``overall`` included)."""
+    advantage: float | None
+    """The sample's advantage on its first response token (GRPO-like estimators give every token
+    the same); None where no advantage was computed (validation)."""
+    response_length: int
+    tokens: list[str]
+    """The response's tokens, each decoded alone (a character split across tokens shows as U+FFFD)."""
+    logprobs: list[float]
+    """Log-prob of each token under the distribution it was sampled from (the rollout engine's)."""
+
+
+@dataclass
+class RolloutCapture:
+    """A step's rollouts in plain Python values, taken from the rollout Batch on the step's path."""
+
+    step: int
+    split: str
+    uids: list[str]
+    prompts: list[str]
+    ground_truths: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    scores: dict[str, list[float]]
+    overall: list[float]
+    advantages: list[float] | None
+    media: dict[str, tuple[list[Any], list[Any]]]
+    """uid -> (PIL images, videos) of the group's first row."""
+
+
+def capture_rollouts(step: int, split: str, batch: Any, scores: dict[str, list[float]], overall: Sequence[float]) -> RolloutCapture:
+    """Take what the viewer needs from a rollout ``Batch`` (easyvlm.data.batch) and its reward
+    (``RewardResult.scores`` and ``.overall``): references and plain lists, no decoding."""
+    mask = batch["response_mask"].bool()
+    responses = batch["responses"]
+    token_ids = [responses[i][mask[i]].tolist() for i in range(len(batch))]
+    logprob_rows = batch["rollout_logprobs"] if "rollout_logprobs" in batch else None
+    logprobs = [logprob_rows[i][mask[i]].tolist() if logprob_rows is not None else [] for i in range(len(batch))]
+    advantages = None
+    if "advantages" in batch:
+        first = mask.float().argmax(dim=1)  # the first response token (an empty response: column 0)
+        advantages = batch["advantages"].gather(1, first.unsqueeze(1)).squeeze(1).tolist()
+    uids = [str(u) for u in batch["uid"]]
+    images = batch.get("images", [[]] * len(batch))
+    videos = batch.get("videos", [[]] * len(batch))
+    media: dict[str, tuple[list[Any], list[Any]]] = {}
+    for i, uid in enumerate(uids):
+        if uid not in media:
+            media[uid] = (list(images[i] or []), list(videos[i] or []))
+    return RolloutCapture(
+        step=step,
+        split=split,
+        uids=uids,
+        prompts=[str(p or "") for p in batch.get("prompt_text", [""] * len(batch))],
+        ground_truths=[_text(g) for g in batch["ground_truth"]],
+        token_ids=token_ids,
+        logprobs=logprobs,
+        scores={k: [float(v) for v in values] for k, values in scores.items()},
+        overall=[float(v) for v in overall],
+        advantages=advantages,
+        media=media,
+    )
+
+
+def build_samples(capture: RolloutCapture, tokenizer: Any, root: Path, skip_special_tokens: bool = True) -> list[RolloutSample]:
+    """The records of a capture; saves its media under ``root/media`` (existing files are kept).
+    Responses are decoded as the reward function saw them (``worker.reward.skip_special_tokens``)."""
+    media_paths = {uid: save_media(images, videos, root) for uid, (images, videos) in capture.media.items()}
+    responses = tokenizer.batch_decode(capture.token_ids, skip_special_tokens=skip_special_tokens)
+    # one decode call for every token of the step (a token alone: ids -> text)
+    flat = [[t] for ids in capture.token_ids for t in ids]
+    decoded = iter(tokenizer.batch_decode(flat, skip_special_tokens=False, clean_up_tokenization_spaces=False) if flat else [])
+    index_in_group: dict[str, int] = {}
+    samples = []
+    for i, uid in enumerate(capture.uids):
+        j = index_in_group[uid] = index_in_group.get(uid, -1) + 1
+        images, videos = media_paths[uid]
+        samples.append(
+            RolloutSample(
+                step=capture.step,
+                split=capture.split,
+                uid=uid,
+                index=j,
+                prompt=capture.prompts[i],
+                images=images,
+                videos=videos,
+                response=responses[i],
+                ground_truth=capture.ground_truths[i],
+                reward=capture.overall[i],
+                scores={k: v[i] for k, v in capture.scores.items()},
+                advantage=None if capture.advantages is None else capture.advantages[i],
+                response_length=len(capture.token_ids[i]),
+                tokens=[next(decoded) for _ in capture.token_ids[i]],
+                logprobs=capture.logprobs[i],
+            )
+        )
+    return samples
+
+
+def save_media(images: Sequence[Any], videos: Sequence[Any], root: Path) -> tuple[list[str], list[list[str]]]:
+    """PNG files of a prompt's images and of a few frames of each video, relative to ``root``."""
+    image_paths = [_save_png(image, root) for image in images]
+    video_paths = []
+    for video in videos:
+        frames = video.frames
+        count = len(frames)
+        picks = sorted({round(k * (count - 1) / max(1, VIDEO_FRAMES_SHOWN - 1)) for k in range(min(count, VIDEO_FRAMES_SHOWN))})
+        video_paths.append([_save_png(_frame_image(frames[p]), root) for p in picks])
+    return image_paths, video_paths
+
+
+def _save_png(image: Any, root: Path) -> str:
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    data = buffer.getvalue()
+    name = f"{MEDIA_DIR}/{hashlib.sha256(data).hexdigest()[:20]}.png"
+    path = root / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return name
+
+
+def _frame_image(frame: Any) -> Any:
+    from PIL import Image
+
+    return Image.fromarray(frame)
+
+
+def is_correct(scores: dict[str, float]) -> bool:
+    """A sample is correct when its ``accuracy`` (else its ``overall``) reward is full (>= 1):
+    EasyR1's reward files score accuracy 0 or 1; a partial score (an IoU, say) is not correct."""
+    value = scores.get("accuracy", scores.get("overall", 0.0))
+    return isinstance(value, (int, float)) and value >= 1.0 - 1e-6
+
+
+def is_format_failure(scores: dict[str, float]) -> bool:
+    """The reward's ``format`` key below full marks (samples without one never fail format)."""
+    value = scores.get("format")
+    return isinstance(value, (int, float)) and value < 1.0 - 1e-6
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def sample_to_json(sample: RolloutSample) -> str:
+    """One JSONL line; non-finite floats become strings (JSON has none)."""
+    return json.dumps(_finite(dataclasses.asdict(sample)), ensure_ascii=False)
+
+
+def sample_from_json(line: str) -> RolloutSample:
+    return RolloutSample(**json.loads(line))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,30 @@
+"""pass@k and mean@k, against values derived by hand."""
+
+import pytest
+
+from easyvlm.eval.metrics import group_metrics, pass_at_k, report_ks
+
+
+def test_pass_at_k_by_hand():
+    # n = 4 answers, c = 1 correct: pass@1 = 1/4; pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5;
+    # pass@3 = 1 - C(3,3)/C(4,3) = 1 - 1/4 = 0.75; pass@4 = 1 (the correct one is always drawn)
+    assert [pass_at_k(4, 1, k) for k in (1, 2, 3, 4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    # n = 5, c = 2, k = 2: 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7 (the naive 1 - (3/5)^2 = 0.64 is biased low)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_report_ks():
+    assert report_ks(1) == [1] and report_ks(4) == [1, 2, 4] and report_ks(6) == [1, 2, 4, 6]
+
+
+def test_group_metrics_average_over_prompts():
+    # prompt A: 1 of 4 correct, prompt B: 4 of 4, prompt C: 0 of 4.
+    # mean@4 = (1/4 + 1 + 0) / 3 = 5/12; pass@1 = the same; pass@2 = (0.5 + 1 + 0) / 3 = 0.5;
+    # pass@4 = (1 + 1 + 0) / 3 = 2/3
+    groups = [[False, True, False, False], [True] * 4, [False] * 4]
+    assert group_metrics(groups) == pytest.approx({"mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3})
+    with pytest.raises(ValueError, match="same number"):
+        group_metrics([[True], [True, False]])
