@@ -2,11 +2,13 @@
 
 Samples k = ``worker.rollout.val_override_config.n`` answers per prompt of ``data.val_files`` with
 the configured rollout engine, scores them with the configured reward function(s) and reports
-mean@k, pass@k and the mean of every reward key (named as the trainer's validation names them).
+mean@k, pass@k and the mean of every reward key (named as the trainer's validation names them),
+over all prompts and per data file (``data.val_files`` may be a directory of several).
 The model is a checkpoint (``global_step_<N>``, or a run directory: its latest), an exported
 Hugging Face directory, a ``builtin:`` model or a hub id.
 
-The config is the trainer's, checked by the same code (errors exit 2 before any model loads), with
+The config is the trainer's, checked by the same code (errors exit 2 before any model loads, as do
+a model path that names no model and a checkpoint without its export), with
 ``trainer.val_only=true`` implied: ``data.train_files`` may be empty. Validation batches and seeds
 are the trainer's (``data.val_batch_size``; with ``worker.rollout.per_request_seed`` the prompts are
 seeded from the checkpoint's step as the trainer's validation at that step), so a checkpoint's eval
@@ -33,24 +35,27 @@ EVAL_DIR = "eval"
 
 def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     """(HF export dir, step) when ``model_path`` is a checkpoint or a directory of checkpoints;
-    None for any other model. Exits 2 when a checkpoint holds no export."""
+    None for any other model. Exits 2 for a directory that is neither a model nor a checkpoint, and
+    for a checkpoint without an export."""
     from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, CheckpointError, checkpoint_info, resolve_checkpoint
 
+    key = "worker.actor.model.model_path"
     path = Path(model_path)
     if not path.is_dir() or (path / "config.json").is_file():  # not a directory, or a model directory
         return None
     try:
         checkpoint = resolve_checkpoint(path)
     except CheckpointError:
-        return None
+        exit_with_problems([Problem(key, f"{model_path!r} is neither a model directory (no config.json) nor a complete checkpoint (global_step_<N> holding COMPLETE) nor a directory of checkpoints: point at one of these")])
     export = checkpoint / HF_EXPORT_DIR
     if not (export / "config.json").is_file():
-        exit_with_problems([Problem("worker.actor.model.model_path", f"the checkpoint {checkpoint} holds no Hugging Face export ({export}); a checkpoint of this version of easyvlm always does: point at an exported model directory instead")])
+        exit_with_problems([Problem(key, f"the checkpoint {checkpoint} holds no Hugging Face export ({export}); a checkpoint of this version of easyvlm always does: point at an exported model directory instead")])
     return export, int(checkpoint_info(checkpoint)["step"])
 
 
 def prepare(argv: Sequence[str]) -> tuple[Any, int, Path]:
     """argv -> (run plan, step the seeds use, output directory); exits 2 on any config problem."""
+    from easyvlm.builtin.models import ModelNotFoundError
     from easyvlm.trainer.main import plan_run
 
     argv = [*argv, "trainer.val_only=true"]
@@ -61,60 +66,89 @@ def prepare(argv: Sequence[str]) -> tuple[Any, int, Path]:
         export, step = found
         argv.append(f"worker.actor.model.model_path={export}")
         out_dir = export.parents[1] / EVAL_DIR  # <checkpoint>/eval
-    plan = plan_run(argv)
+    try:
+        plan = plan_run(argv)
+    except ModelNotFoundError as err:  # e.g. a hub id that is not in the cache with HF_HUB_OFFLINE=1
+        exit_with_problems([Problem("worker.actor.model.model_path", str(err))])
     if out_dir is None:
         out_dir = Path(plan.derived.save_checkpoint_path) / EVAL_DIR
     return plan, step, out_dir
 
 
+def row_files(dataset: Any) -> dict[str, str]:
+    """uid -> the data file (source label) of each prompt: ``data.val_files`` may be a directory of
+    several files. The uid is ``<name>-<number>``, as ``RLDataset.__getitem__`` makes it."""
+    return {f"{dataset.name}-{number}": dataset.sources[source].label for source, _, number in dataset.index}
+
+
+def report(rows: Sequence[tuple[str, str, dict[str, float]]]) -> dict[str, Any]:
+    """Counts, mean@k and pass@k, and the mean of every reward key named as the trainer's validation
+    names it, over answers given as (file, prompt uid, scores)."""
+    from easyvlm.eval.metrics import group_metrics
+    from easyvlm.trainer.metrics import val_metrics
+    from easyvlm.viewer.records import is_correct
+
+    correct: dict[str, list[bool]] = {}
+    scores: dict[str, list[float]] = {}
+    for _, uid, row in rows:
+        correct.setdefault(uid, []).append(is_correct(row))
+        for key, value in row.items():
+            scores.setdefault(key, []).append(value)
+    return {
+        "prompts": len(correct),
+        "samples": len(rows),
+        **group_metrics(list(correct.values())),
+        **val_metrics(scores),
+    }
+
+
 def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
+    import gc
+
     from tqdm import tqdm
 
     from easyvlm.data.dataloader import create_val_loader
-    from easyvlm.eval.metrics import group_metrics
     from easyvlm.rewards.actor import build_reward_inputs
     from easyvlm.rewards.manager import RewardManager
     from easyvlm.rollout.factory import build_rollout
     from easyvlm.trainer.core import validation_prompts
-    from easyvlm.trainer.metrics import val_metrics
     from easyvlm.viewer.pages import write_page
-    from easyvlm.viewer.records import build_samples, capture_rollouts, is_correct
+    from easyvlm.viewer.records import build_samples, capture_rollouts
 
     cfg, bundle = plan.config, plan.bundle
     sampling = plan.rollout.val_sampling
     if not plan.rollout.per_request_seed:
         print("easyvlm: note: worker.rollout.per_request_seed is off: the samples depend on the engine's random "
               "stream and differ from the trainer's validation (turn it on in both to compare)", file=sys.stderr)
+    # the trainer's validation loader: the same batches (vLLM's numerics depend on what is batched together)
     loader = create_val_loader(cfg.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
-    engine = build_rollout(plan.rollout)
-    rewards = RewardManager(plan.reward)
-    scores: dict[str, list[float]] = {}
-    correct: dict[str, list[bool]] = {}
+    files = row_files(loader.dataset)
+    rows: list[tuple[str, str, dict[str, float]]] = []  # (file, prompt uid, scores) per answer
     samples = []
     root = out_dir / "rollouts"
+    engine = build_rollout(plan.rollout)
+    rewards = RewardManager(plan.reward)
     try:
         for index, prompts in enumerate(tqdm(loader, desc="easyvlm eval", unit="batch", file=sys.stderr)):
             prompts = validation_prompts(prompts, plan.rollout.per_request_seed, cfg.worker.rollout.seed, step, index)
             engine.wake_up()
             batch = engine.generate(prompts, sampling)
             result = rewards.compute(build_reward_inputs(batch, bundle.tokenizer, cfg.worker.reward.skip_special_tokens))
-            for key, values in result.scores.items():
-                scores.setdefault(key, []).extend(values)
-            for i, uid in enumerate(batch["uid"]):
-                correct.setdefault(str(uid), []).append(is_correct({k: v[i] for k, v in result.scores.items()}))
+            rows += [(files[uid], uid, {key: values[i] for key, values in result.scores.items()})
+                     for i, uid in enumerate(batch["uid"])]
             capture = capture_rollouts(step, "eval", batch, result.scores, result.overall)
             samples += build_samples(capture, bundle.tokenizer, root, cfg.worker.reward.skip_special_tokens)
     finally:
         rewards.close()
+        del engine  # vLLM holds the weights and its KV cache until collected
+        gc.collect()
     summary: dict[str, Any] = {
         "model": cfg.worker.actor.model.model_path,
         "data": cfg.data.val_files,
         "step": step,
         "k": sampling.n,
-        "prompts": len(correct),
-        "samples": sum(len(c) for c in correct.values()),
-        **group_metrics(list(correct.values())),
-        **val_metrics(scores),
+        **report(rows),
+        "files": {file: report([r for r in rows if r[0] == file]) for file in dict.fromkeys(r[0] for r in rows)},
     }
     page = write_page(samples, root, f"eval_step_{step}", f"evaluation, step {step}: {Path(cfg.data.val_files).name}")
     summary["viewer"] = str(page)

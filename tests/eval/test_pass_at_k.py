@@ -28,3 +28,20 @@ def test_group_metrics_average_over_prompts():
     assert group_metrics(groups) == pytest.approx({"mean@4": 5 / 12, "pass@1": 5 / 12, "pass@2": 0.5, "pass@4": 2 / 3})
     with pytest.raises(ValueError, match="same number"):
         group_metrics([[True], [True, False]])
+
+
+def test_pass_at_k_is_the_chance_over_every_draw_not_the_plug_in():
+    # The estimator's definition, counted: of all C(n, k) ways to draw k of the n answers, the share
+    # holding a correct one. The plug-in 1 - (1 - c/n)^k draws with replacement and differs from it
+    # whenever 0 < c < n and k > 1 (e.g. n=4, c=1, k=2: 0.4375 vs 0.5).
+    from itertools import combinations
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            answers = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                draws = list(combinations(answers, k))
+                counted = sum(any(d) for d in draws) / len(draws)
+                assert pass_at_k(n, c, k) == pytest.approx(counted)
+                if 0 < c < n and k > 1:
+                    assert pass_at_k(n, c, k) != pytest.approx(1 - (1 - c / n) ** k)

@@ -13,16 +13,15 @@ from easyvlm.trainer.main import main
 
 
 @pytest.fixture
-def tracker_env(monkeypatch, tmp_path):
+def tracker_env(monkeypatch):
+    """No tracker settings from the machine; swanlab offline. HOME stays: Ray keeps its session
+    token there, and a Ray head started with an empty HOME timed out in CI."""
     for key in list(os.environ):
         if key.startswith(("WANDB_", "SWANLAB_", "MLFLOW_")):
             monkeypatch.delenv(key)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("SWANLAB_PROBE_REQUIREMENTS", "false")
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()  # mlflow sets MLFLOW_ALLOW_FILE_STORE
-    os.environ.update(saved)
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the backend sets; undone after the test
 
 
 def file_rewards(run_dir) -> dict[int, float]:
