@@ -35,9 +35,9 @@ EVAL_DIR = "eval"
 
 def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     """(HF export dir, step) when ``model_path`` is a checkpoint or a directory of checkpoints;
-    None for any other model. Exits 2 for a directory that is neither a model nor a checkpoint, and
-    for a checkpoint without an export."""
-    from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, CheckpointError, checkpoint_info, resolve_checkpoint
+    None for any other model. Exits 2 for a directory that is neither a model nor a checkpoint, for
+    a checkpoint without an export, and for an export that fails the checkpoint's manifest."""
+    from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, MANIFEST, CheckpointError, checkpoint_info, resolve_checkpoint, verify_checkpoint
 
     key = "worker.actor.model.model_path"
     path = Path(model_path)
@@ -50,6 +50,11 @@ def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     export = checkpoint / HF_EXPORT_DIR
     if not (export / "config.json").is_file():
         exit_with_problems([Problem(key, f"the checkpoint {checkpoint} holds no Hugging Face export ({export}); a checkpoint of this version of easyvlm always does: point at an exported model directory instead")])
+    if (checkpoint / MANIFEST).is_file():  # older checkpoints have none; their export is safetensors all the same
+        try:
+            verify_checkpoint(checkpoint, under=HF_EXPORT_DIR)
+        except CheckpointError as err:
+            exit_with_problems([Problem(key, str(err))])
     return export, int(checkpoint_info(checkpoint)["step"])
 
 

@@ -3,9 +3,16 @@
 Layout under ``save_dir`` (EasyR1's names, so its tooling finds them)::
 
     global_step_<N>/                 one complete checkpoint (workers write actor/, critic/ inside)
-        trainer_state.pt             step, dataloader position, RNG states, KL controller, val score
-        COMPLETE                     written last, before the rename
+        trainer_state.pt             step, dataloader position, RNG states, KL controller
+        COMPLETE                     step, validation score, model_only
+        MANIFEST.json                written last, before the rename: every file's size and SHA-256
     latest_checkpointed_iteration.txt
+
+Safety: every state file loads with ``weights_only=True`` (`easyvlm.utils.safe_state`), and resume
+verifies the manifest and the state files in the driver, before Ray starts, naming any missing,
+truncated or altered file and any file a safe load refuses. The manifest guards against accidents
+(a full disk, a copy cut short, bit rot), not against someone who can write the checkpoint: they
+can rewrite the manifest too; the safe loads are what keep their code from running.
 
 With ``trainer.save_model_only`` a checkpoint holds only ``actor/huggingface/`` (the policy in
 Hugging Face format, loadable by transformers and vLLM) and ``COMPLETE`` (which records
@@ -21,15 +28,21 @@ leaves either the previous checkpoint as latest or the new one, never a half-wri
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from easyvlm.config.schema import TrainerConfig
+from easyvlm.utils.safe_state import CONVERT_COMMAND
 
 POINTER = "latest_checkpointed_iteration.txt"
+MANIFEST = "MANIFEST.json"
+MANIFEST_FORMAT = 1
 HF_EXPORT_DIR = "actor/huggingface"  # inside a checkpoint: the policy in Hugging Face format
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -58,6 +71,7 @@ class CheckpointManager:
         ``model_only``: the checkpoint holds only the Hugging Face export (``trainer.save_model_only``)."""
         partial = self.save_dir / f".global_step_{step}.partial"
         (partial / "COMPLETE").write_text(json.dumps({"step": step, "score": score, "model_only": model_only}))
+        write_manifest(partial)
         final = self.save_dir / f"global_step_{step}"
         if final.exists():  # re-saving a step after a resume: the new one replaces it
             shutil.rmtree(final)
@@ -124,6 +138,91 @@ def check_resumable(path: Path) -> None:
     )
 
 
+# ------------------------------------------------------------------------------------------------
+# Manifest: what a complete checkpoint holds, checked before anything loads it
+
+_CHUNK = 8 << 20
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)  # hashlib releases the GIL on large updates: files hash in parallel
+    return digest.hexdigest()
+
+
+def _hash_all(paths: list[Path]) -> list[str]:
+    total = sum(p.stat().st_size for p in paths if p.is_file())
+    if total > 1 << 30:  # progress for large checkpoints: hashing runs at about 1 GB/s per thread
+        sys.stderr.write(f"easyvlm: hashing {len(paths)} checkpoint files ({total / (1 << 30):.1f} GiB)\n")
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def write_manifest(path: Path) -> None:
+    """Write ``path/MANIFEST.json``: the relative path, size and SHA-256 of every other file."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+    hashes = _hash_all(files)
+    entries = {
+        p.relative_to(path).as_posix(): {"size": p.stat().st_size, "sha256": h} for p, h in zip(files, hashes)
+    }
+    (path / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": entries}, indent=1))
+
+
+def read_manifest(path: Path) -> dict[str, dict]:
+    """The file entries of ``path/MANIFEST.json``; `CheckpointError` when it is missing or unreadable."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"{path} has no {MANIFEST}: it was written by an easyvlm version older than its safe-state format "
+            f"(whose state files a safe load refuses), or by another tool. If you trust where it came from, "
+            f"convert it once: {CONVERT_COMMAND} {path}"
+        )
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+        if not isinstance(entries, dict) or not all(isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str) for e in entries.values()):
+            raise ValueError("entries are not {path: {size, sha256}}")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{manifest} is damaged ({err}); the checkpoint cannot be verified: use another one") from None
+    return entries
+
+
+def verify_checkpoint(path: Path, under: str | None = None) -> None:
+    """Check the checkpoint ``path`` against its manifest (every listed file present, of its size,
+    with its hash), and that each state file loads safely. ``under``: only the files below this
+    relative directory (the evaluation command checks only the model export). Raises
+    `CheckpointError` naming every file that fails."""
+    from easyvlm.utils.safe_state import UnsafeStateError, load_state, read_dcp_metadata
+
+    entries = read_manifest(path)
+    if under is not None:
+        entries = {k: v for k, v in entries.items() if k.startswith(under.rstrip("/") + "/")}
+    problems, present = [], []
+    for rel, entry in entries.items():
+        file = path / rel
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif (size := file.stat().st_size) != entry["size"]:
+            problems.append(f"{file} has {size} bytes, the manifest {entry['size']} ({'truncated' if size < entry['size'] else 'grown'})")
+        else:
+            present.append((file, entry))
+    for (file, entry), digest in zip(present, _hash_all([f for f, _ in present])):
+        if digest != entry["sha256"]:
+            problems.append(f"{file} was altered (its SHA-256 differs from the manifest's)")
+    if not problems:
+        for file, _ in present:
+            try:
+                if file.suffix == ".pt":
+                    load_state(file)
+                elif file.name.endswith(".metadata"):
+                    read_dcp_metadata(file)
+            except UnsafeStateError as err:
+                problems.append(str(err))
+    if problems:
+        raise CheckpointError(f"checkpoint {path} failed verification:\n  - " + "\n  - ".join(problems))
+
+
 def completed_steps(save_dir: Path) -> list[int]:
     steps = []
     for path in save_dir.iterdir():
@@ -147,7 +246,8 @@ def latest_checkpoint(save_dir: Path) -> Path | None:
 def resume_checkpoint(trainer: TrainerConfig, save_dir: Path) -> Path | None:
     """The checkpoint a run resumes from, checked (the driver calls this before Ray starts):
     ``trainer.load_checkpoint_path``, else with ``trainer.find_last_checkpoint`` the newest one in
-    ``save_dir``, else None. Raises `CheckpointError` naming the problem."""
+    ``save_dir``, else None. Raises `CheckpointError` naming the problem: a model-only checkpoint,
+    or one that fails :func:`verify_checkpoint`."""
     if trainer.load_checkpoint_path:
         path = resolve_checkpoint(trainer.load_checkpoint_path)
     elif trainer.find_last_checkpoint and save_dir.is_dir():
@@ -155,5 +255,6 @@ def resume_checkpoint(trainer: TrainerConfig, save_dir: Path) -> Path | None:
     else:
         path = None
     if path is not None:
+        verify_checkpoint(path)  # first: check_resumable reads COMPLETE, which may be damaged
         check_resumable(path)
     return path

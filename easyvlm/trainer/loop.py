@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
@@ -42,6 +40,7 @@ from easyvlm.trainer.metrics import (
 )
 from easyvlm.trainer.plot import write_learning_curve
 from easyvlm.trainer.tracking import Generation, Tracker, data_order_log
+from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
 from easyvlm.viewer.records import RolloutCapture, capture_rollouts
 from easyvlm.viewer.writer import RolloutWriter
 from easyvlm.workers.actor import update_is_on_policy
@@ -374,12 +373,12 @@ class Trainer:
         self.hybrid.call_all("save_checkpoint", str(path), True)
         if self.critic is not None:
             self.critic.call_all("save_checkpoint", str(path))
-        torch.save(
+        torch.save(  # plain values and tensors only: resume reads it with weights_only=True
             {
                 "global_step": self.global_step,
                 "dataloader": self.train_loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "rng": rng_state(),
             },
             path / "trainer_state.pt",
         )
@@ -390,16 +389,14 @@ class Trainer:
         if path is None:
             return
         logger.warning("easyvlm: resuming from %s", path)
-        state = torch.load(path / "trainer_state.pt", weights_only=False)
+        state = load_state(path / "trainer_state.pt")
         self.hybrid.call_all("load_checkpoint", str(path))
         if self.critic is not None:
             self.critic.call_all("load_checkpoint", str(path))
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
+        set_rng_state(state["rng"])
 
     def export_hf(self, path: str) -> None:
         self.hybrid.call_all("export_hf", path)

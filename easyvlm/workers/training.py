@@ -10,7 +10,6 @@ tower in each of them: see ``forward.with_dummy_image``).
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 from easyvlm.data.batch import Batch
 from easyvlm.config.schema import FSDPConfig, canonical_dtype
 from easyvlm.plan.specs import MicroBatching
+from easyvlm.utils.safe_state import SafeFileSystemReader, SafeLoadPlanner, load_state, rng_state, set_rng_state
 from easyvlm.workers.fsdp import DTYPES
 
 
@@ -111,21 +111,6 @@ def clip_and_step(
 # Checkpoints: model + optimizer sharded with torch.distributed.checkpoint, the rest per rank
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def save_sharded_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
 ) -> None:
@@ -138,7 +123,7 @@ def save_sharded_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "model_optim"))
-    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_state()}, path / f"extra_state_rank{rank}.pt")
+    torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, path / f"extra_state_rank{rank}.pt")
     if world_size() > 1:
         dist.barrier()
 
@@ -146,7 +131,8 @@ def save_sharded_checkpoint(
 def load_sharded_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
 ) -> None:
-    """Inverse of :func:`save_sharded_checkpoint` (same world size). Collective."""
+    """Inverse of :func:`save_sharded_checkpoint` (same world size). Collective. Nothing is
+    unpickled beyond plain values and tensors (`easyvlm.utils.safe_state`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -158,11 +144,12 @@ def load_sharded_checkpoint(
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path / "model_optim"))
+    model_optim = path / "model_optim"
+    dcp.load(state, storage_reader=SafeFileSystemReader(model_optim), planner=SafeLoadPlanner())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(extra_file, weights_only=False)
+    extra = load_state(extra_file)
     scheduler.load_state_dict(extra["scheduler"])
-    _set_rng_state(extra["rng"])
+    set_rng_state(extra["rng"])
 
 
 def token_budget(micro: MicroBatching, batch: Batch) -> int | None:

@@ -67,7 +67,7 @@ def test_training_run_saves_only_the_model(e2e_base_args, tiny_model_path, tmp_p
     main(argv)
 
     ckpt = tmp_path / "global_step_1"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["COMPLETE", "actor"]  # no trainer_state.pt
+    assert sorted(p.name for p in ckpt.iterdir()) == ["COMPLETE", "MANIFEST.json", "actor"]  # no trainer_state.pt
     assert sorted(p.name for p in (ckpt / "actor").iterdir()) == ["huggingface"]  # no model_optim/, extra_state
     assert checkpoint_info(ckpt) == {"step": 1, "score": None, "model_only": True}
     initial = AutoModelForImageTextToText.from_pretrained(tiny_model_path).state_dict()
