@@ -56,6 +56,19 @@ def synthetic_val_file(easyvlm_cache_dir: Path) -> str:
     return str(materialize_dataset("val", cache_dir=easyvlm_cache_dir, num_samples=TEST_VAL_SIZE))
 
 
+@pytest.fixture(scope="session")
+def process_group():
+    """torch.distributed initialised as rank 0 of 1 (gloo), as the workers require."""
+    import torch.distributed as dist
+
+    from easyvlm.workers.dist import init_distributed
+
+    if not dist.is_initialized():
+        init_distributed("gloo")
+    assert dist.get_world_size() == 1
+    return dist.group.WORLD
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

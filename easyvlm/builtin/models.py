@@ -23,7 +23,7 @@ from easyvlm.utils.cache import build_once, cache_root
 
 # Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
 # the cache key includes it, so users never load a stale build.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -41,13 +41,15 @@ SPECIAL_TOKENS = (
 
 # Qwen's chat format without the default system prompt (it would cost ~30 byte tokens per prompt).
 # Content is a string or a list of {"type": "image"|"video"|"text"} items, like Qwen2.5-VL's template.
+# Tools as in Qwen2.5's template, compacted for a byte-level vocabulary: the system turn lists each
+# tool's signature and the <tool_call>{json}</tool_call> format; results come back as a user turn of
+# <tool_response> blocks (images allowed). Without tools and tool messages the output is unchanged.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}"
+    "{{- content -}}"
     "{%- else -%}"
-    "{%- for item in message['content'] -%}"
+    "{%- for item in content -%}"
     "{%- if item['type'] == 'image' or 'image' in item or 'image_url' in item -%}"
     "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
     "{%- elif item['type'] == 'video' or 'video' in item -%}"
@@ -57,7 +59,26 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0]['role'] == 'system' -%}{{- render(messages[0]['content']) + '\\n' -}}{%- endif -%}"
+    "{{- 'Tools:' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set f = tool['function'] if 'function' in tool else tool -%}"
+    "{{- ' ' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + ')' -}}"
+    "{%- endfor -%}"
+    "{{- '\\nCall: <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and tools and loop.first -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + render(message['content']) + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -456,6 +456,24 @@ class RolloutConfig:
     """Silence vLLM's periodic statistics."""
     disable_tqdm: bool = False
     """Hide the generation progress bar."""
+    tools: list[str] = field(default_factory=list)
+    """easyvlm extra. Tools the model may call over several turns: shipped ones by name
+    (`image_zoom`, `calculator`) or your functions as `path/file.py:func`; the chat template shows
+    their schemas, tool results (text or images) come back as the template's tool messages, and only
+    the model's tokens are trained. docs/agents.md."""
+    environment: Optional[str] = None
+    """easyvlm extra. A stateful environment `path/file.py:ClassName` with `reset(row)` and
+    `step(action) -> (observation, done[, reward])`: the model's turns are its actions (instead of
+    `tools`). docs/agents.md."""
+    max_turns: int = 4
+    """easyvlm extra. Most model turns per sample with `tools` or an `environment`."""
+    max_tokens_per_turn: Optional[int] = None
+    """easyvlm extra. Most tokens the model writes in one turn with `tools` or an `environment`;
+    None = what is left of `data.max_response_length`, which bounds the whole trajectory (tool
+    tokens included)."""
+    tool_timeout: float = 10.0
+    """easyvlm extra. Seconds a tool call or environment step may take; a call that takes longer is
+    answered with an error message."""
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling settings that differ for validation, e.g. `{n: 1, temperature: 0.6}`: any field of
     vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)

@@ -27,6 +27,7 @@ from easyvlm.config.schema import (
     PPOConfig,
     RolloutConfig,
 )
+from easyvlm.agents.tools import SHIPPED_TOOLS
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, parse_plugin_spec
 
 __all__ = ["ConfigError", "Problem", "find_problems", "model_problems", "notices", "validate"]
@@ -513,6 +514,41 @@ def _check_rollout(c: _Checks) -> None:
             "worker.rollout.enable_chunked_prefill=true",
         )
     _check_val_override(c, r)
+    _check_multi_turn(c, r)
+
+
+def _check_multi_turn(c: _Checks, r: RolloutConfig) -> None:
+    """worker.rollout.tools / environment and the keys that act only with them."""
+    p = "worker.rollout"
+    multi_turn = bool(r.tools) or r.environment is not None
+    if r.tools and r.environment is not None:
+        c.add(f"{p}.environment", "is set together with worker.rollout.tools; a run has tools or an environment, not both")
+    for k, spec in enumerate(r.tools):
+        if not isinstance(spec, str) or not spec:
+            c.add(f"{p}.tools[{k}]", f"must be a shipped tool name or 'path/file.py:func', got {spec!r}")
+        elif is_plugin_spec(spec):
+            _check_spec(c, f"{p}.tools[{k}]", spec)
+        elif spec not in SHIPPED_TOOLS:
+            close = difflib.get_close_matches(spec, SHIPPED_TOOLS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            c.add(f"{p}.tools[{k}]", f"unknown tool {spec!r}; {hint}shipped: {', '.join(SHIPPED_TOOLS)}, or your own "
+                                    f"as 'path/to/file.py:func'")
+    if r.environment is not None:
+        _check_spec(c, f"{p}.environment", r.environment)
+    defaults = RolloutConfig()
+    if not multi_turn:
+        for key in ("max_turns", "max_tokens_per_turn", "tool_timeout"):
+            if getattr(r, key) != getattr(defaults, key):
+                c.add(f"{p}.{key}", "acts only with worker.rollout.tools or worker.rollout.environment (multi-turn "
+                                    "rollouts); set one of them, or leave this key at its default")
+        return
+    c.at_least(f"{p}.max_turns", 1)
+    c.positive(f"{p}.tool_timeout")
+    if r.max_tokens_per_turn is not None:
+        c.between(f"{p}.max_tokens_per_turn", 1, c.cfg.data.max_response_length,
+                  why=" (data.max_response_length bounds the whole trajectory)")
+    if r.ignore_eos:
+        c.add(f"{p}.ignore_eos", "must be false with tools or an environment: a model turn ends at its EOS")
 
 
 def _check_sampling(c: _Checks, p: str, values: dict[str, Any]) -> None:

@@ -47,6 +47,9 @@ PROMPT_OBJECT_KEYS = (
     "raw_prompt_ids", "images", "original_image_sizes", "videos", "multi_modal_inputs", "ground_truth", "uid",
     "prompt_text", "extra",
 )
+# Optional object key of a prompt Batch when the run has tools: per sample, a loader of the row's
+# images at full resolution (easyvlm.data.images.LazyImages) for tools such as image_zoom.
+ORIGINAL_IMAGES_KEY = "original_images"
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 # What the actor and critic updates read, when present.

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.data.batch import PROMPT_OBJECT_KEYS, Batch
+from easyvlm.data.batch import ORIGINAL_IMAGES_KEY, PROMPT_OBJECT_KEYS, Batch
 
 
 def left_pad(sequences: Sequence[Tensor], pad_value: int) -> Tensor:
@@ -48,7 +48,7 @@ def collate_prompts(samples: Sequence[dict[str, Any]], pad_token_id: int) -> Bat
     position_ids = left_pad([s["position_ids"] for s in samples], 0)  # (B, 4, P) or (B, P)
     return Batch(
         tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
-        objects={k: [s[k] for s in samples] for k in PROMPT_OBJECT_KEYS},
+        objects={k: [s[k] for s in samples] for k in (*PROMPT_OBJECT_KEYS, ORIGINAL_IMAGES_KEY) if k in samples[0]},
     )
 
 

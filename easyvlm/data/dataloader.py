@@ -17,7 +17,7 @@ Usage (the trainer)::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
@@ -108,26 +108,29 @@ class PromptDataLoader:
 
 
 def create_dataloaders(
-    config: DataConfig, tokenizer: Any, processor: Any, model_config: Any, prompts_per_round: int
+    config: DataConfig, tokenizer: Any, processor: Any, model_config: Any, prompts_per_round: int,
+    tools: Sequence[dict] = (),
 ) -> tuple[PromptDataLoader, PromptDataLoader | None]:
     """(train loader, validation loader or None when data.val_files is empty).
 
     Train: ``prompts_per_round`` prompts per batch (one generation round: the plan's
     ``Derived.prompts_per_generation_round``), shuffled with ``data.seed`` when ``data.shuffle``,
     last partial batch dropped. Validation: ``val_batch_size`` prompts per batch (-1 = all rows in
-    one batch), file order, nothing dropped.
+    one batch), file order, nothing dropped. tools: the JSON schemas the prompts show (multi-turn).
     """
-    train = RLDataset(config.train_files, config, tokenizer, processor, model_config, "data.train_files", "train")
+    train = RLDataset(config.train_files, config, tokenizer, processor, model_config, "data.train_files", "train", tools)
     train_loader = PromptDataLoader(train, prompts_per_round, config.shuffle, config.seed, drop_last=True)
     if not config.val_files:
         return train_loader, None
-    return train_loader, create_val_loader(config, tokenizer, processor, model_config)
+    return train_loader, create_val_loader(config, tokenizer, processor, model_config, tools)
 
 
-def create_val_loader(config: DataConfig, tokenizer: Any, processor: Any, model_config: Any) -> PromptDataLoader:
+def create_val_loader(
+    config: DataConfig, tokenizer: Any, processor: Any, model_config: Any, tools: Sequence[dict] = ()
+) -> PromptDataLoader:
     """The validation loader: ``val_batch_size`` prompts per batch (-1 = all), file order, nothing
     dropped (the trainer's validation and ``python -m easyvlm.eval`` batch alike)."""
-    val = RLDataset(config.val_files, config, tokenizer, processor, model_config, "data.val_files", "val")
+    val = RLDataset(config.val_files, config, tokenizer, processor, model_config, "data.val_files", "val", tools)
     val_batch_size = len(val) if config.val_batch_size == -1 else config.val_batch_size
     return PromptDataLoader(val, val_batch_size, False, 0, drop_last=False)
 
@@ -136,5 +139,6 @@ def plan_dataloaders(plan: RunPlan) -> tuple[PromptDataLoader, PromptDataLoader 
     """The run plan's data loaders: its ``data`` section with the policy's tokenizer and processor."""
     bundle = plan.bundle
     return create_dataloaders(
-        plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, plan.derived.prompts_per_generation_round
+        plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config,
+        plan.derived.prompts_per_generation_round, plan.agent.tool_schemas if plan.agent is not None else (),
     )

@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 from easyvlm.config.schema import DataConfig
+from easyvlm.data.batch import ORIGINAL_IMAGES_KEY
 from easyvlm.data.images import (
     ImageLoadError,
+    LazyImages,
     check_pixel_limits,
     fit_image,
     image_factor,
@@ -105,8 +107,13 @@ class PromptEncoder:
     image token id). config: the run's ``data`` section (paths already absolute).
     """
 
-    def __init__(self, config: DataConfig, tokenizer: Any, processor: Any = None, model_config: Any = None):
+    def __init__(
+        self, config: DataConfig, tokenizer: Any, processor: Any = None, model_config: Any = None,
+        tools: Sequence[dict] = (),
+    ):
         self.config = config
+        # the tools' JSON schemas (worker.rollout.tools): the chat template shows them to the model
+        self.tools = list(tools) or None
         self.tokenizer = tokenizer if tokenizer is not None else getattr(processor, "tokenizer", processor)
         # AutoProcessor gives a bare tokenizer for a text-only model: that is "no processor" here.
         self.processor = processor if getattr(processor, "image_processor", None) is not None else None
@@ -230,13 +237,13 @@ class PromptEncoder:
 
         if self.processor is None:
             prompt_text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+                messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, tools=self.tools
             )
             input_ids = list(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
             return EncodedPrompt(input_ids, input_ids, [], {}, prompt_text)
 
         prompt_text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template
+            messages, add_generation_prompt=True, tokenize=False, chat_template=self.chat_template, tools=self.tools
         )
         # do_resize=False: the images and frames are already fitted; the processor must not resize
         # again. do_sample_frames=False: the frames are already sampled (data.video_fps); the
@@ -345,8 +352,9 @@ class RLDataset(torch.utils.data.Dataset):
         model_config: Any = None,
         key: str = "data.train_files",
         name: str = "train",
+        tools: Sequence[dict] = (),
     ):
-        self.encoder = PromptEncoder(config, tokenizer, processor, model_config)
+        self.encoder = PromptEncoder(config, tokenizer, processor, model_config, tools)
         self.config = config
         self.key = key
         self.name = name
@@ -428,7 +436,7 @@ class RLDataset(torch.utils.data.Dataset):
         except RowError as err:  # the scan passed, so the data changed on disk since
             raise DataError(f"{source.where(row_id)}: {err}") from err
         reserved = {self.encoder.prompt_key, self.encoder.answer_key, self.encoder.image_key, self.encoder.video_key}
-        return {
+        sample = {
             "input_ids": torch.tensor(enc.input_ids, dtype=torch.long),
             "position_ids": self.encoder.position_ids(enc),
             "raw_prompt_ids": enc.raw_prompt_ids,
@@ -441,3 +449,7 @@ class RLDataset(torch.utils.data.Dataset):
             "prompt_text": enc.prompt_text,
             "extra": {k: v for k, v in row.items() if k not in reserved},
         }
+        if self.encoder.tools:  # tools may zoom into the full-resolution images
+            search_dirs = tuple(str(d) for d in self.encoder.search_dirs(source.base_dir) if d is not None)
+            sample[ORIGINAL_IMAGES_KEY] = LazyImages(tuple(self.encoder.raw_images(row)), search_dirs)
+        return sample

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -258,6 +259,20 @@ def load_image(value: Any, search_dirs: Sequence[str | os.PathLike | None] = ())
         f"image of type {type(value).__name__} ({_short(value)}); expected a path, bytes, "
         f"{{'bytes': ...}}, {{'path': ...}} or a PIL image"
     )
+
+
+@dataclass(frozen=True)
+class LazyImages:
+    """A row's images at full resolution, loaded only when asked (by tools that zoom into them).
+
+    values: the row's image column entries; search_dirs: as for :func:`load_image`. Small to
+    pickle: paths stay paths until :meth:`load`."""
+
+    values: tuple
+    search_dirs: tuple
+
+    def load(self) -> list[Image.Image]:
+        return [load_image(value, self.search_dirs) for value in self.values]
 
 
 def _short(value: Any, limit: int = 80) -> str:

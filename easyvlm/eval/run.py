@@ -112,6 +112,7 @@ def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
 
     from tqdm import tqdm
 
+    from easyvlm.agents.setup import DriverRollout
     from easyvlm.data.dataloader import create_val_loader
     from easyvlm.rewards.actor import build_reward_inputs
     from easyvlm.rewards.manager import RewardManager
@@ -126,18 +127,20 @@ def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
         print("easyvlm: note: worker.rollout.per_request_seed is off: the samples depend on the engine's random "
               "stream and differ from the trainer's validation (turn it on in both to compare)", file=sys.stderr)
     # the trainer's validation loader: the same batches (vLLM's numerics depend on what is batched together)
-    loader = create_val_loader(cfg.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
+    tools = plan.agent.tool_schemas if plan.agent is not None else ()
+    loader = create_val_loader(cfg.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, tools)
     files = row_files(loader.dataset)
     rows: list[tuple[str, str, dict[str, float]]] = []  # (file, prompt uid, scores) per answer
     samples = []
     root = out_dir / "rollouts"
     engine = build_rollout(plan.rollout)
+    rollout = DriverRollout(plan, loader.dataset.encoder, engine.generate)  # the trainer's turns, tools included
     rewards = RewardManager(plan.reward)
     try:
         for index, prompts in enumerate(tqdm(loader, desc="easyvlm eval", unit="batch", file=sys.stderr)):
             prompts = validation_prompts(prompts, plan.rollout.per_request_seed, cfg.worker.rollout.seed, step, index)
             engine.wake_up()
-            batch = engine.generate(prompts, sampling)
+            batch = rollout.generate(prompts, sampling)
             result = rewards.compute(build_reward_inputs(batch, bundle.tokenizer, cfg.worker.reward.skip_special_tokens))
             rows += [(files[uid], uid, {key: values[i] for key, values in result.scores.items()})
                      for i, uid in enumerate(batch["uid"])]
@@ -145,7 +148,7 @@ def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
             samples += build_samples(capture, bundle.tokenizer, root, cfg.worker.reward.skip_special_tokens)
     finally:
         rewards.close()
-        del engine  # vLLM holds the weights and its KV cache until collected
+        del engine, rollout  # vLLM holds the weights and its KV cache until collected
         gc.collect()
     summary: dict[str, Any] = {
         "model": cfg.worker.actor.model.model_path,

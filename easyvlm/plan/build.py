@@ -22,6 +22,7 @@ from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOCon
 from easyvlm.config.validate import lora_module_names, notices
 from easyvlm.plan.specs import (
     ActorSpec,
+    AgentSpec,
     CriticSpec,
     EngineSpec,
     ForwardSpec,
@@ -52,6 +53,8 @@ class RunPlan:
     ref: Optional[RefSpec]
     critic: Optional[CriticSpec]
     rollout: RolloutSpec
+    agent: Optional[AgentSpec]
+    """Multi-turn rollouts with tools or an environment; None = one turn."""
     reward: Any
     """``easyvlm.rewards.manager.RewardSettings``."""
     notices: tuple[str, ...]
@@ -77,6 +80,9 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     def spec(value: str) -> str:
         return resolve_plugin_spec(value) if is_plugin_spec(value) else value
 
+    rollout = cfg.worker.rollout
+    rollout = r(rollout, tools=[spec(t) for t in rollout.tools],
+                environment=spec(rollout.environment) if rollout.environment else rollout.environment)
     reward = cfg.worker.reward
     reward = r(
         reward,
@@ -103,7 +109,7 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
         cfg,
         data=data,
         algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
-        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward),
+        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, rollout=rollout),
         trainer=trainer,
     )
 
@@ -333,8 +339,43 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         ref=ref_spec(cfg, bundle) if derived.use_reference else None,
         critic=critic_spec(cfg, derived, bundle) if derived.use_critic else None,
         rollout=rollout_spec(cfg, derived, bundle, device),
+        agent=agent_spec(cfg, bundle),
         reward=reward,
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
+    )
+
+
+def agent_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AgentSpec]:
+    """The multi-turn settings, with every tool and the environment loaded here, in the driver, and
+    the chat template checked for a tool-call format: a tool without a docstring or a template that
+    cannot show tools is a config error before anything heavy starts."""
+    from easyvlm.agents.environment import load_environment
+    from easyvlm.agents.parse import tool_call_format
+    from easyvlm.agents.tools import ToolError, load_tools
+    from easyvlm.data.prompts import resolve_chat_template
+
+    r = cfg.worker.rollout
+    if not r.tools and r.environment is None:
+        return None
+    schemas: tuple[dict, ...] = ()
+    try:
+        if r.tools:
+            schemas = tuple(tool.schema for tool in load_tools(r.tools).values())
+        if r.environment is not None:
+            load_environment(r.environment)
+    except ToolError as err:
+        key = "worker.rollout.tools" if r.tools else "worker.rollout.environment"
+        raise ConfigError([Problem(key, str(err))]) from err
+    if r.tools:
+        templater = bundle.processor if bundle.processor is not None else bundle.tokenizer
+        template = resolve_chat_template(cfg.data.override_chat_template) or getattr(templater, "chat_template", None)
+        if tool_call_format(template) is None:
+            raise ConfigError([Problem("worker.rollout.tools", (
+                "the model's chat template shows the model no tool-call format (no <tool_call> tags), so it cannot "
+                "call tools; use a tool-calling model (Qwen2.5-VL, Qwen3-VL) or data.override_chat_template"))])
+    return AgentSpec(
+        tools=tuple(r.tools), tool_schemas=schemas, environment=r.environment, max_turns=r.max_turns,
+        max_tokens_per_turn=r.max_tokens_per_turn, tool_timeout=r.tool_timeout,
     )
 
 

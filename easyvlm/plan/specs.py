@@ -252,6 +252,21 @@ class RolloutSpec:
     per_request_seed: bool
 
 
+@dataclass(frozen=True)
+class AgentSpec:
+    """Multi-turn rollouts (``worker.rollout.tools`` or ``environment``); the driver runs the turns."""
+
+    tools: tuple[str, ...]
+    """Shipped tool names and ``file.py:func`` specs (paths absolute), loaded and checked."""
+    tool_schemas: tuple[dict, ...]
+    """Their JSON schemas, in order: what the chat template shows in every prompt."""
+    environment: Optional[str]
+    """``file.py:ClassName`` (path absolute), or None."""
+    max_turns: int
+    max_tokens_per_turn: Optional[int]
+    tool_timeout: float
+
+
 def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:
     """``spec`` with its update's schedule length set (known once the training data is loaded)."""
     return dataclasses.replace(spec, update=dataclasses.replace(spec.update, total_steps=total_steps))

@@ -60,15 +60,22 @@ def build_reward_inputs(batch: Batch, tokenizer: Any, skip_special_tokens: bool 
     images = batch.get("images", [None] * n)
     sizes = batch.get("original_image_sizes", [None] * n)
     extra = batch.get("extra", [None] * n)
+    trajectories = batch.get("trajectory", [None] * n)  # multi-turn runs (easyvlm.agents.loop)
     return [
         RewardInput(
-            response=texts[i],
+            response=texts[i] if trajectories[i] is None else _last_model_turn(trajectories[i]),
             response_length=len(token_ids[i]),
             ground_truth=batch["ground_truth"][i],
             prompt=prompts[i] or "",
             images=list(images[i] or []),
             original_image_sizes=None if sizes[i] is None else [tuple(s) for s in sizes[i]],
             extra=dict(extra[i] or {}),
+            trajectory=trajectories[i],
         )
         for i in range(n)
     ]
+
+
+def _last_model_turn(trajectory: dict) -> str:
+    turns = [m["content"] for m in trajectory["messages"] if m["role"] == "assistant"]
+    return turns[-1] if turns else ""

@@ -12,6 +12,8 @@ from typing import Any
 # The keys every input dict has. Extra dataset columns are added under their own names too, but
 # never over one of these (they are always under "extra" as well).
 STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "images", "original_image_sizes", "extra")
+# The keys a multi-turn run (worker.rollout.tools / environment) adds; single-turn inputs do not have them.
+MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward")
 
 
 @dataclass
@@ -26,6 +28,10 @@ class RewardInput:
     original_image_sizes: (width, height) of each image before resizing, same order as ``images``;
         None when the data pipeline did not record them.
     extra: the row's other columns, by name.
+    trajectory: multi-turn runs only (None otherwise): the sample's ``messages`` after the prompt
+        (the model's turns and the tool results or observations), ``tool_calls``, ``num_turns``,
+        ``finish`` and ``environment_reward``; ``response`` is then the model's last turn and
+        ``response_length`` counts the tokens of all its turns.
     """
 
     response: str
@@ -35,10 +41,14 @@ class RewardInput:
     images: list = field(default_factory=list)
     original_image_sizes: list[tuple[int, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    trajectory: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The dict a reward function gets: the standard keys, plus each extra column by name."""
-        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS}
+        """The dict a reward function gets: the standard keys, plus each extra column by name (and
+        the multi-turn keys in a multi-turn run)."""
+        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS and k not in MULTI_TURN_KEYS}
+        if self.trajectory is not None:
+            out.update({k: self.trajectory[k] for k in MULTI_TURN_KEYS})
         out.update(
             response=self.response,
             response_length=self.response_length,

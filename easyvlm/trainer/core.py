@@ -30,11 +30,11 @@ def place_seq_rewards(seq_rewards: Tensor, response_mask: Tensor) -> Tensor:
     nowhere to put its reward; it gets none (such rows have no token in the loss anyway).
     """
     B, T = response_mask.shape
-    lengths = response_mask.long().sum(-1)  # (B,)
     token_rewards = torch.zeros(B, T, dtype=torch.float32)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    # the last True position: masks are contiguous from 0, so it is lengths - 1
-    token_rewards[rows, lengths[rows] - 1] = seq_rewards[rows].float()
+    # the last True position (multi-turn masks have gaps where tools answered), -1 if none
+    last = torch.where(response_mask, torch.arange(T), -1).max(dim=-1).values  # (B,)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    token_rewards[rows, last[rows]] = seq_rewards[rows].float()
     return token_rewards
 
 

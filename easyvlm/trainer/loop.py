@@ -18,6 +18,8 @@ from typing import Any
 import ray
 import torch
 
+from easyvlm.agents.loop import TRAJECTORY_KEY, trajectory_metrics
+from easyvlm.agents.setup import DriverRollout
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage, kl_penalty
 from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
@@ -94,6 +96,10 @@ class Trainer:
         actor = with_total_steps(plan.actor, self.total_steps)
         try:
             self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, plan.rollout), share=share)
+            # every generation goes through here: one engine call, or the multi-turn loop with tools
+            hybrid = self.hybrid
+            self.rollout = DriverRollout(plan, getattr(train_loader.dataset, "encoder", None),
+                                         lambda batch, sampling: hybrid.dispatch("generate", batch, sampling=sampling))
             if plan.critic is not None:
                 critic = partial(CriticHost, with_total_steps(plan.critic, self.total_steps))
                 self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
@@ -251,6 +257,8 @@ class Trainer:
         data = self.cfg.data
         metrics.update(data_metrics(seq_rewards, batch["token_rewards"], batch["advantages"], batch["returns"], mask, batch.get("values")))
         metrics.update(response_metrics(mask, prompt_mask, data.max_response_length, data.max_prompt_length))
+        if TRAJECTORY_KEY in batch:
+            metrics.update(trajectory_metrics(batch[TRAJECTORY_KEY]))
         num_tokens = core.count_tokens(batch["attention_mask"])
         metrics.update(timing_per_token_metrics(metrics, int(mask.sum()), num_tokens))
         metrics.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.derived.world_size))
@@ -286,7 +294,7 @@ class Trainer:
                     f"'{algo.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
-            batch = self.hybrid.dispatch("generate", self._seeded(next(iterator), TRAIN_CALL, self.global_step, rounds - 1))
+            batch = self.rollout.generate(self._seeded(next(iterator), TRAIN_CALL, self.global_step, rounds - 1))
             reward_ref = self.reward_actor.compute.remote(self._reward_inputs(batch))
             if not algo.online_filtering:  # every group is kept (rounds divide the step: validate)
                 kept.append(batch)
@@ -332,7 +340,7 @@ class Trainer:
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax (arXiv:2310.10505): the reward of one greedy response per prompt, per sample."""
         greedy_sampling = dataclasses.replace(self.plan.rollout.sampling, n=1, temperature=0.0)
-        greedy = self.hybrid.dispatch("generate", prompts, sampling=greedy_sampling)
+        greedy = self.rollout.generate(prompts, greedy_sampling)
         result = ray.get(self.reward_actor.compute.remote(self._reward_inputs(greedy)))
         by_uid = dict(zip(greedy["uid"], result.overall))
         return torch.tensor([by_uid[uid] for uid in batch["uid"]], dtype=torch.float32)
@@ -343,12 +351,14 @@ class Trainer:
             return {}
         scores: dict[str, list[float]] = {}
         samples = []
+        trajectories: list[dict] = []
         captures: list[RolloutCapture] = []
         sampling: Sampling = self.plan.rollout.val_sampling
         for index, prompts in enumerate(self.val_loader):
             rollout = self.plan.rollout
             prompts = core.validation_prompts(prompts, rollout.per_request_seed, self.cfg.worker.rollout.seed, self.global_step, index)
-            batch = self.hybrid.dispatch("generate", prompts, sampling=sampling)
+            batch = self.rollout.generate(prompts, sampling)
+            trajectories += batch.get(TRAJECTORY_KEY) or []
             inputs = self._reward_inputs(batch)
             result: RewardResult = ray.get(self.reward_actor.compute.remote(inputs))
             for key, values in result.scores.items():
@@ -359,6 +369,7 @@ class Trainer:
         if self.viewer is not None:
             self.viewer.submit(captures)
         metrics = val_metrics(scores)
+        metrics.update({f"val/{key}": value for key, value in trajectory_metrics(trajectories).items()})
         count = self.cfg.trainer.val_generations_to_log
         if count > 0 and self.tracker is not None:
             self.tracker.log_generations(self.global_step, [Generation(p, r, str(g), s) for p, r, g, s in samples[:count]])

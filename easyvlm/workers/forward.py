@@ -139,6 +139,30 @@ def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
     return mask[:, P:] & mask[:, P - 1 : L - 1]
 
 
+def images_after_prompt(item: dict | None, input_ids: Tensor, attention_mask: Tensor, prompt_length: int,
+                        image_token_id: int | None) -> dict:
+    """The vision inputs of the images in one row's response (a multi-turn tool's images), without
+    those of its prompt: what a row whose prompt is shared still brings to the packed row. {} if none.
+
+    input_ids / attention_mask: (L,) of the row. Images come in token order; each image's tokens
+    are its patches / merge**2, with merge**2 = patches / tokens over the row's images."""
+    item = item or {}
+    grid = item.get("image_grid_thw")
+    if grid is None or image_token_id is None:
+        return {}
+    image_tokens = (input_ids == image_token_id) & attention_mask.bool()
+    in_prompt, total = int(image_tokens[:prompt_length].sum()), int(image_tokens.sum())
+    if total == in_prompt:
+        return {}
+    patches = grid.prod(-1)  # (N,) rows of pixel_values per image
+    merge2 = int(patches.sum()) // total
+    tokens = (patches // merge2).cumsum(0)
+    first = int((tokens <= in_prompt).sum())  # images wholly in the prompt
+    assert first == 0 or int(tokens[first - 1]) == in_prompt, "an image straddles the prompt's end"
+    start = int(patches[:first].sum())
+    return {"pixel_values": item["pixel_values"][start:], "image_grid_thw": grid[first:]}
+
+
 def _same_item(a: dict | None, b: dict | None) -> bool:
     """Whether two samples' multi-modal inputs are identical (same keys, equal tensors)."""
     a, b = a or {}, b or {}
@@ -243,7 +267,11 @@ def response_outputs(
     if padding_free and setup.share_prompts and B > 1:
         sources = shared_prompt_sources(batch, P)
         if items:  # a reused prompt's image tokens are not in the packed row: nor are its images
-            items = [item for b, item in enumerate(items) if int(sources[b]) == b]
+            image_token_id = getattr(model.config, "image_token_id", None)
+            items = [
+                item if int(sources[b]) == b else images_after_prompt(item, input_ids[b], attention_mask[b], P, image_token_id)
+                for b, item in enumerate(items)
+            ]
     extra: dict[str, Any] = {k: v.to(device) for k, v in concat_multi_modal_inputs(items).items()}
     extra["use_cache"] = False
 

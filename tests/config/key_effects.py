@@ -23,6 +23,8 @@ from typing import Union
 
 # test files, so that the rows stay readable
 ACTOR = "tests/workers/test_actor.py"
+AGENTS = "tests/agents/test_multi_turn.py"
+TOOLS = "tests/agents/test_tools.py"
 ADV = "tests/algorithms/test_advantages.py"
 AGG = "tests/algorithms/test_aggregation.py"
 BUILD = "tests/plan/test_build.py"
@@ -325,6 +327,12 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.rollout.max_num_seqs", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_kv_cache_bytes"),
     effects("worker.rollout.disable_log_stats", PLAN, GPU_ENGINE),
     effects("worker.rollout.disable_tqdm", PLAN, f"{VLLM}::test_disable_tqdm_hides_the_progress_bar"),
+    effects("worker.rollout.tools", f"{AGENTS}::test_tool_errors_are_shown_to_the_model_and_counted",
+            f"{AGENTS}::test_limits_end_samples", f"{TOOLS}::test_a_tool_without_docstring_or_hint_is_refused_with_its_name"),
+    effects("worker.rollout.environment", f"{AGENTS}::test_environment_observations_and_rewards"),
+    effects("worker.rollout.max_turns", f"{AGENTS}::test_limits_end_samples"),
+    effects("worker.rollout.max_tokens_per_turn", f"{AGENTS}::test_limits_end_samples"),
+    effects("worker.rollout.tool_timeout", f"{AGENTS}::test_tool_timeout_comes_from_the_config"),
     effects("worker.rollout.val_override_config", f"{BUILD}::test_validation_sampling_is_training_sampling_with_the_overrides",
             f"{ROLLOUT}::test_the_plan_has_training_and_validation_sampling",
             f"{VLLM}::test_validation_extra_fields_change_what_vllm_samples", via=("sampling_with_overrides",)),

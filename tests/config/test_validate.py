@@ -167,6 +167,20 @@ RULES = [
     (["worker.rollout.val_override_config={temperature: hot}"], "worker.rollout.val_override_config.temperature",
      "expected a number"),
     (["worker.rollout.val_override_config={top_p: 2}"], "worker.rollout.val_override_config.top_p", "(0, 1]"),
+    # multi-turn
+    (["worker.rollout.tools=[image_zom]"], "worker.rollout.tools[0]", "did you mean 'image_zoom'?"),
+    (["worker.rollout.tools=[calculator,./tools.txt]"], "worker.rollout.tools[1]", "unknown tool './tools.txt'"),
+    (["worker.rollout.tools=[calculator]", "worker.rollout.environment=env.py:Game"], "worker.rollout.environment",
+     "not both"),
+    (["worker.rollout.max_turns=3"], "worker.rollout.max_turns", "acts only with worker.rollout.tools"),
+    (["worker.rollout.max_tokens_per_turn=16"], "worker.rollout.max_tokens_per_turn", "acts only with"),
+    (["worker.rollout.tool_timeout=5"], "worker.rollout.tool_timeout", "acts only with"),
+    (["worker.rollout.tools=[calculator]", "worker.rollout.max_turns=0"], "worker.rollout.max_turns", ">= 1"),
+    (["worker.rollout.tools=[calculator]", "worker.rollout.tool_timeout=0"], "worker.rollout.tool_timeout", "> 0"),
+    (["worker.rollout.tools=[calculator]", "worker.rollout.max_tokens_per_turn=33"],
+     "worker.rollout.max_tokens_per_turn", "[1, 32]"),
+    (["worker.rollout.environment=env.py:Game", "worker.rollout.ignore_eos=true"], "worker.rollout.ignore_eos",
+     "a model turn ends at its EOS"),
     # trainer
     (["trainer.val_freq=0"], "trainer.val_freq", "-1 (off) or >= 1"),
     (["trainer.save_freq=0"], "trainer.save_freq", "-1 (off) or >= 1"),
@@ -223,6 +237,9 @@ ACCEPTED = [
     ["worker.critic.micro_batch_size_per_device_for_update=3"],  # no critic without gae
     ["worker.reward.reward_function=null", "worker.reward.reward_functions=[{reward_function: a.py:f, weight: -0.5}]"],
     ["trainer.nnodes=2", "trainer.n_gpus_per_node=4", "worker.rollout.tensor_parallel_size=4", "worker.actor.fsdp.fsdp_size=4"],
+    ["worker.rollout.tools=[image_zoom,calculator,./my_tools.py:search]", "worker.rollout.max_turns=6",
+     "worker.rollout.max_tokens_per_turn=16", "worker.rollout.tool_timeout=2.5"],
+    ["worker.rollout.environment=./game.py:Game", "worker.rollout.max_turns=8"],
 ]
 
 

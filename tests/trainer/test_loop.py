@@ -165,7 +165,7 @@ def one_step(trainer: Trainer) -> dict[str, float]:
 
 def generate_calls(group: FakeGroup) -> list[str]:
     """'train' or 'val' per generation call (validation passes the plan's validation sampling)."""
-    return ["val" if "sampling" in kw else "train" for method, _, kw in group.calls if method == "generate"]
+    return ["val" if kw.get("sampling") is not None else "train" for method, _, kw in group.calls if method == "generate"]
 
 
 def read_jsonl(path) -> list[dict]:

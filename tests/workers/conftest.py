@@ -1,22 +1,9 @@
-"""Worker tests: a single-process gloo group (rank 0 of 1) for the whole session, one torch thread."""
+"""Worker tests: one torch thread (the gloo group ``process_group`` lives in tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-
-@pytest.fixture(scope="session")
-def process_group():
-    """torch.distributed initialised as rank 0 of 1 (gloo), as the workers require."""
-    import torch.distributed as dist
-
-    from easyvlm.workers.dist import init_distributed
-
-    if not dist.is_initialized():
-        init_distributed("gloo")
-    assert dist.get_world_size() == 1
-    return dist.group.WORLD
 
 
 @pytest.fixture(autouse=True)

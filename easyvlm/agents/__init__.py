@@ -1,0 +1,10 @@
+"""Multi-turn rollouts with tools and environments (docs/agents.md).
+
+- ``tools``: Python functions as tools (schemas, reserved parameters, calls with a time limit);
+- ``shipped``: the tools easyvlm ships (``image_zoom``, ``calculator``);
+- ``parse``: the model's tool calls in its template's format;
+- ``render``: tool results and observations as chat-template tokens (images included);
+- ``environment``: stateful environments (``reset`` / ``step``);
+- ``loop``: the multi-turn generation around any rollout engine, and its metrics;
+- ``setup``: the run plan's slice (``AgentSpec``) made into a ``MultiTurnRollout`` in the driver.
+"""
