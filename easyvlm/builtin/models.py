@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from easyvlm.builtin.synthetic import PALETTE, SHAPES
+from easyvlm.builtin.synthetic_zoom import call_tokens
 from easyvlm.utils.cache import build_once, cache_root
 
 # Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
@@ -26,6 +27,7 @@ from easyvlm.utils.cache import build_once, cache_root
 BUILD_VERSION = 2
 
 BUILTIN_PREFIX = "builtin:"
+ZOOM_CALL_TOKENS = call_tokens()
 
 # Qwen2.5-VL's special tokens. Their ids here are 256.. (after the 256 byte tokens), not Qwen's.
 SPECIAL_TOKENS = (
@@ -162,6 +164,11 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     # The demo's base: the tiny model with the synthetic task's answer words as single tokens.
     "tiny-qwen2.5-vl-words": replace(
         _TINY, word_tokens=(*PALETTE, *SHAPES), description="the CPU demo's base model (answer words are single tokens)"
+    ),
+    # The tools demo's base: answer words and the pieces of a zoom call are single tokens.
+    "tiny-qwen2.5-vl-tools": replace(
+        _TINY, word_tokens=(*PALETTE, *SHAPES, *ZOOM_CALL_TOKENS),
+        description="the tools demo's base model (answer words and zoom-call pieces are single tokens)",
     ),
     # The other two families at the same sizes (tests: every path of the loop runs with each).
     "tiny-qwen2-vl": replace(_TINY, family="qwen2_vl", vision_fullatt_block_indexes=(), description="tests (Qwen2-VL)"),
@@ -329,9 +336,9 @@ def build_tokenizer(word_tokens: tuple[str, ...] = ()):
     tok.decoder = decoders.ByteLevel()
     # Registered here, in SPECIAL_TOKENS order, so their ids are 256, 257, ... on every build.
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    for word in word_tokens:  # the byte-level decoder maps printable ASCII to itself
-        if not (word.isascii() and word.isalnum()):
-            raise ValueError(f"word token {word!r}: only ASCII letters and digits decode unchanged")
+    for word in word_tokens:  # the byte-level decoder maps printable ASCII (but the space) to itself
+        if not (word.isascii() and word.isprintable() and " " not in word):
+            raise ValueError(f"word token {word!r}: only printable ASCII without spaces decodes unchanged")
     tok.add_tokens(list(word_tokens))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -90,6 +90,7 @@ EXTERNAL_DATASETS: dict[str, str] = {
     "synthetic-video": "easyvlm.builtin.synthetic_video",
     "synthetic-video-frames": "easyvlm.builtin.synthetic_video",
     "synthetic-video-direction": "easyvlm.builtin.synthetic_video",
+    "synthetic-zoom": "easyvlm.builtin.synthetic_zoom",
 }
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 SYNTHETIC_FORMAT_PROMPT = "{{ content }} Answer with one word."
 """The demo's format prompt; format_prompts/synthetic.jinja holds the same text (a test checks)."""
+ZOOM_FORMAT_PROMPT = "{{ content }} Zoom in first, then answer with one word."
+"""The tools demo's format prompt; format_prompts/zoom.jinja holds the same text."""
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,22 @@ class WarmStartSpec:
     answer_rate: float
     """Share of targets that are the true answer; the rest are a random valid option."""
     seed: int = 0
+    tools: tuple[str, ...] = ()
+    """Multi-turn recipes (the zoom task): the tools the prompts show. Each target is a zoom call,
+    the tool's real result, then the answer; the loss is on the model's two turns only."""
+    box_rate: float = 1.0
+    """Tools: share of zoom calls on the right quadrant (the rest: another quadrant, and then a
+    random answer, since the model could not have read it)."""
+    max_pixels: int | None = None
+    """data.max_pixels of the prompts (the zoom task: 112 * 112, so the stripes blur)."""
 
 
 WARM_STARTS = {
     "tiny-qwen2.5-vl-synthetic": WarmStartSpec(base="tiny-qwen2.5-vl-words", dataset="synthetic", steps=200, batch_size=32, lr=1e-3, answer_rate=0.6),
+    "tiny-qwen2.5-vl-zoom": WarmStartSpec(
+        base="tiny-qwen2.5-vl-tools", dataset="synthetic-zoom", steps=200, batch_size=32, lr=1e-3, answer_rate=0.5,
+        tools=("image_zoom",), box_rate=0.8, max_pixels=112 * 112,
+    ),
 }
 
 
@@ -60,7 +74,8 @@ def warm_start_key(spec: WarmStartSpec) -> str:
     from easyvlm.builtin.models import get_builtin_spec, spec_key
 
     base_key = spec_key(get_builtin_spec(spec.base))
-    return hashlib.sha1(f"{spec}|{base_key}|{SYNTHETIC_FORMAT_PROMPT}".encode()).hexdigest()[:8]
+    prompt = ZOOM_FORMAT_PROMPT if spec.tools else SYNTHETIC_FORMAT_PROMPT
+    return hashlib.sha1(f"{spec}|{base_key}|{prompt}".encode()).hexdigest()[:8]
 
 
 def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
@@ -77,6 +92,8 @@ def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
     from easyvlm.builtin.models import materialize_model
     from easyvlm.models.position_ids import extend_position_ids, to_model_layout
 
+    if spec.tools:
+        return build_tool_warm_start(spec, out_dir, log)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bit-identical builds: reductions in one fixed order
     try:
@@ -152,3 +169,97 @@ def _sft_batch(encoder, rows, targets, base_dir, eos, tokenizer, extend_position
         [torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in positions]
     )
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids, "position_ids": position_ids, "mm": mm}
+
+
+def build_tool_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
+    """The zoom task's multi-turn warm start: prompt, zoom call, the tool's real result, answer.
+
+    The trajectories are built by the RL rollout loop itself (easyvlm.agents.loop) with the model's
+    turns given, so the warm start trains on exactly the tokens, positions and images RL will see.
+    """
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    from easyvlm.agents.loop import MultiTurnRollout, MultiTurnSettings
+    from easyvlm.agents.render import TurnRenderer
+    from easyvlm.agents.tools import load_tools
+    from easyvlm.builtin.models import materialize_model
+    from easyvlm.builtin.synthetic import materialize_dataset
+    from easyvlm.builtin.synthetic_zoom import quadrant_box, zoom_call
+    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
+    from easyvlm.data.dataset import RLDataset
+    from easyvlm.models.position_ids import to_model_layout
+    from easyvlm.rollout.base import Sampling
+    from easyvlm.rollout.postprocess import build_rollout_batch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-identical builds: reductions in one fixed order
+    try:
+        base = materialize_model(spec.base)
+        processor = AutoProcessor.from_pretrained(base)
+        tokenizer = processor.tokenizer
+        model_config = AutoConfig.from_pretrained(base)
+        data_file = materialize_dataset("train", name=spec.dataset)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        prompt_file = out_dir / "format_prompt.jinja"
+        prompt_file.write_text(ZOOM_FORMAT_PROMPT + "\n")
+        cfg = DataConfig(format_prompt=str(prompt_file), prompt_key="problem", min_pixels=None, max_pixels=spec.max_pixels)
+        tools = load_tools(list(spec.tools))
+        schemas = [tool.schema for tool in tools.values()]
+        dataset = RLDataset(str(data_file), cfg, tokenizer, processor, model_config, tools=schemas)
+        rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
+        eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        pad = dataset.pad_token_id
+        length = 256
+        loop = MultiTurnRollout(MultiTurnSettings(max_turns=2, max_tokens_per_turn=None, tool_timeout=30.0),
+                                TurnRenderer(dataset.encoder), model_config, [eos], pad, length, tools=tools)
+        sampling = Sampling(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=length, ignore_eos=False)
+
+        torch.manual_seed(spec.seed)
+        rng = random.Random(spec.seed)
+        model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
+        for step in range(spec.steps):
+            picked = rng.sample(range(len(dataset)), spec.batch_size)
+            turns = []
+            for i in picked:
+                row = rows[dataset.index[i][1]]
+                right = rng.random() < spec.box_rate
+                quadrant = row["quadrant"] if right else rng.choice([q for q in range(4) if q != row["quadrant"]])
+                answer = row["answer"] if right and rng.random() < spec.answer_rate else rng.choice(row["options"])
+                turns.append([zoom_call(quadrant_box(quadrant)), answer])
+
+            calls: list[int] = []  # one entry per turn generated so far in this step
+
+            def teacher(batch, _sampling):
+                targets = [tokenizer(t[len(calls)], add_special_tokens=False)["input_ids"] + [eos] for t in turns]
+                calls.append(1)
+                return build_rollout_batch(batch, targets, [[0.0] * len(t) for t in targets], length, pad, [eos])
+
+            out = loop.generate(collate_prompts([dataset[i] for i in picked], pad), sampling, teacher)
+            assert all(t["finish"] == "answer" and t["tool_calls"][0]["ok"] for t in out["trajectory"])
+            prompt_labels = torch.full_like(out["prompts"], -100)
+            labels = torch.cat([prompt_labels, torch.where(out["response_mask"], out["responses"], -100)], dim=1)
+            loss = model(
+                input_ids=out["input_ids"],
+                attention_mask=out["attention_mask"].long(),
+                position_ids=to_model_layout(out["position_ids"]),
+                labels=labels,
+                **concat_multi_modal_inputs(out["multi_modal_inputs"]),
+            ).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if step % 20 == 0 or step == spec.steps - 1:
+                log(f"easyvlm: warm start {step + 1}/{spec.steps}: loss {loss.item():.3f}")
+        model.save_pretrained(out_dir)
+        processor.save_pretrained(out_dir)
+        for extra in ("generation_config.json",):
+            if (Path(base) / extra).exists():
+                (out_dir / extra).write_bytes((Path(base) / extra).read_bytes())
+    finally:
+        torch.set_num_threads(threads)

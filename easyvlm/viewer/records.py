@@ -59,6 +59,9 @@ class RolloutSample:
     """The response's tokens, each decoded alone (a character split across tokens shows as U+FFFD)."""
     logprobs: list[float]
     """Log-prob of each token under the distribution it was sampled from (the rollout engine's)."""
+    turns: list[dict] = dataclasses.field(default_factory=list)
+    """Multi-turn samples (tools, environments): the turns after the prompt, ``{"role", "content",
+    "images"}`` (the images a tool or observation returned, PNG files, relative); [] otherwise."""
 
 
 @dataclass
@@ -77,6 +80,8 @@ class RolloutCapture:
     advantages: list[float] | None
     media: dict[str, tuple[list[Any], list[Any]]]
     """uid -> (PIL images, videos) of the group's first row."""
+    trajectories: list[dict] | None = None
+    """Multi-turn batches: each sample's ``trajectory`` (easyvlm.agents.loop), else None."""
 
 
 def capture_rollouts(step: int, split: str, batch: Any, scores: dict[str, list[float]], overall: Sequence[float]) -> RolloutCapture:
@@ -110,6 +115,7 @@ def capture_rollouts(step: int, split: str, batch: Any, scores: dict[str, list[f
         overall=[float(v) for v in overall],
         advantages=advantages,
         media=media,
+        trajectories=batch.get("trajectory"),
     )
 
 
@@ -143,9 +149,21 @@ def build_samples(capture: RolloutCapture, tokenizer: Any, root: Path, skip_spec
                 response_length=len(capture.token_ids[i]),
                 tokens=[next(decoded) for _ in capture.token_ids[i]],
                 logprobs=capture.logprobs[i],
+                turns=_turns(capture.trajectories[i], root) if capture.trajectories else [],
             )
         )
     return samples
+
+
+def _turns(trajectory: dict, root: Path) -> list[dict]:
+    """The turns of a multi-turn sample, each tool or observation message with its images saved."""
+    images = iter(save_media(trajectory.get("images", []), [], root)[0])
+    turns = []
+    for message in trajectory["messages"]:
+        count = message.get("num_images", 0)
+        turns.append({"role": message["role"], "content": str(message["content"]),
+                      "images": [next(images) for _ in range(count)]})
+    return turns
 
 
 def save_media(images: Sequence[Any], videos: Sequence[Any], root: Path) -> tuple[list[str], list[list[str]]]:

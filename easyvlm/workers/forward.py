@@ -139,28 +139,31 @@ def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
     return mask[:, P:] & mask[:, P - 1 : L - 1]
 
 
-def images_after_prompt(item: dict | None, input_ids: Tensor, attention_mask: Tensor, prompt_length: int,
-                        image_token_id: int | None) -> dict:
-    """The vision inputs of the images in one row's response (a multi-turn tool's images), without
-    those of its prompt: what a row whose prompt is shared still brings to the packed row. {} if none.
+def split_prompt_images(item: dict | None, input_ids: Tensor, attention_mask: Tensor, prompt_length: int,
+                        image_token_id: int | None) -> tuple[dict, dict]:
+    """(the vision inputs of one row's prompt images, those of its response's images): a multi-turn
+    row's tools add images after the prompt. Videos stay with the prompt (tools return images).
 
     input_ids / attention_mask: (L,) of the row. Images come in token order; each image's tokens
     are its patches / merge**2, with merge**2 = patches / tokens over the row's images."""
-    item = item or {}
+    item = dict(item or {})
     grid = item.get("image_grid_thw")
     if grid is None or image_token_id is None:
-        return {}
+        return item, {}
     image_tokens = (input_ids == image_token_id) & attention_mask.bool()
     in_prompt, total = int(image_tokens[:prompt_length].sum()), int(image_tokens.sum())
     if total == in_prompt:
-        return {}
+        return item, {}
     patches = grid.prod(-1)  # (N,) rows of pixel_values per image
     merge2 = int(patches.sum()) // total
     tokens = (patches // merge2).cumsum(0)
     first = int((tokens <= in_prompt).sum())  # images wholly in the prompt
     assert first == 0 or int(tokens[first - 1]) == in_prompt, "an image straddles the prompt's end"
     start = int(patches[:first].sum())
-    return {"pixel_values": item["pixel_values"][start:], "image_grid_thw": grid[first:]}
+    prompt = {**item, "pixel_values": item["pixel_values"][:start], "image_grid_thw": grid[:first]}
+    if first == 0:
+        prompt = {k: v for k, v in item.items() if k not in ("pixel_values", "image_grid_thw")}
+    return prompt, {"pixel_values": item["pixel_values"][start:], "image_grid_thw": grid[first:]}
 
 
 def _same_item(a: dict | None, b: dict | None) -> bool:
@@ -178,10 +181,11 @@ def _same_item(a: dict | None, b: dict | None) -> bool:
     return True
 
 
-def shared_prompt_sources(batch: Batch, prompt_length: int) -> Tensor:
+def shared_prompt_sources(batch: Batch, prompt_length: int, image_token_id: int | None = None) -> Tensor:
     """(B,) long: for each row, the first row of its run of consecutive rows with the same prompt
     (tokens, attention mask and positions in columns ``0 .. prompt_length - 1``, and images).
-    GRPO's n samples of a prompt are such a run. [p, p, q, p] -> [0, 0, 2, 3]."""
+    GRPO's n samples of a prompt are such a run. [p, p, q, p] -> [0, 0, 2, 3]. With
+    ``image_token_id``, only the prompt's images are compared (multi-turn rows add tool images)."""
     ids, mask, pos = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
     B = ids.shape[0]
     P = prompt_length
@@ -190,6 +194,8 @@ def shared_prompt_sources(batch: Batch, prompt_length: int) -> Tensor:
     same &= (pos[1:, ..., :P] == pos[:-1, ..., :P]).flatten(1).all(-1)
     items = batch.get(MULTI_MODAL_KEY) or [None] * B
     sources = list(range(B))
+    if image_token_id is not None:
+        items = [split_prompt_images(items[b], ids[b], mask[b], P, image_token_id)[0] for b in range(B)]
     for b, equal in enumerate(same.tolist(), start=1):
         if equal and _same_item(items[b], items[b - 1]):
             sources[b] = sources[b - 1]
@@ -265,11 +271,12 @@ def response_outputs(
     items = list(batch.get(MULTI_MODAL_KEY) or [])
     sources = None
     if padding_free and setup.share_prompts and B > 1:
-        sources = shared_prompt_sources(batch, P)
-        if items:  # a reused prompt's image tokens are not in the packed row: nor are its images
-            image_token_id = getattr(model.config, "image_token_id", None)
+        image_token_id = getattr(model.config, "image_token_id", None)
+        sources = shared_prompt_sources(batch, P, image_token_id)
+        if items:  # a reused prompt's image tokens are not in the packed row: nor are its images (its tools' are)
             items = [
-                item if int(sources[b]) == b else images_after_prompt(item, input_ids[b], attention_mask[b], P, image_token_id)
+                item if int(sources[b]) == b
+                else split_prompt_images(item, batch["input_ids"][b], batch["attention_mask"][b], P, image_token_id)[1]
                 for b, item in enumerate(items)
             ]
     extra: dict[str, Any] = {k: v.to(device) for k, v in concat_multi_modal_inputs(items).items()}

@@ -12,15 +12,19 @@ import dataclasses
 
 import pytest
 import torch
-from agent_helpers import ScriptedEngine, encoder_of, end_of_turn, multi_turn_of, prompt_batch, tool_plan, two_colour_image
+from agent_helpers import encoder_of, end_of_turn, multi_turn_of, prompt_batch, tool_plan, two_colour_image
 from transformers import AutoModelForImageTextToText
 
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.rollout.hf import mm_token_type_ids
+from easyvlm.rollout.postprocess import build_rollout_batch
 
 T = 240
-ZOOM_CALL = '<tool_call>{"name": "image_zoom", "arguments": {"box": [0, 0, 120, 120]}}</tool_call>'
+# the two samples of a prompt zoom into different boxes: their prompts are shared in the actor's
+# packed forward, their tool images are not
+ZOOM_CALLS = ['<tool_call>{"name": "image_zoom", "arguments": {"box": [0, 0, 120, 120]}}</tool_call>',
+              '<tool_call>{"name": "image_zoom", "arguments": {"box": [60, 100, 200, 224]}}</tool_call>']
 ROWS = [
     {"prompt": "<image>Which colour is on top?", "answer": "red", "images": ["a.png"]},
     {"prompt": "<image>Which colour is at the bottom?", "answer": "blue", "images": ["a.png"]},
@@ -44,17 +48,22 @@ def rollout(plan, image_dir, engine):
     """Two prompts x 2 samples: turn 1 scripted (zoom), turn 2 sampled by ``engine`` (what is left of T)."""
     encoder = encoder_of(plan)
     prompts = prompt_batch(encoder, ROWS, image_dir)
-    scripted = ScriptedEngine(encoder.tokenizer, end_of_turn(plan), plan.rollout.tokens.pad, T, [[ZOOM_CALL]] * 2)
-    scripted.prompts = [list(r) for r in prompts["raw_prompt_ids"]]
+    eos, pad = end_of_turn(plan), plan.rollout.tokens.pad
     calls = []
 
     def generate(batch, sampling):
         calls.append(len(batch))
-        return scripted(batch, sampling) if len(calls) == 1 else engine.generate(batch, sampling)
+        if len(calls) > 1:
+            return engine.generate(batch, sampling)
+        # turn 1, scripted: row k (sample k % 2 of its prompt) zooms into box k % 2
+        turns = [encoder.tokenizer(ZOOM_CALLS[k % 2], add_special_tokens=False)["input_ids"] + [eos] for k in range(len(batch))]
+        return build_rollout_batch(batch, turns, [[0.0] * len(t) for t in turns], T, pad, [eos])
 
     sampling = dataclasses.replace(plan.rollout.sampling, n=2, temperature=TEMPERATURE)
     out = multi_turn_of(plan, encoder).generate(prompts, sampling, generate)
     assert all(t["tool_calls"][0]["ok"] and t["num_turns"] >= 2 for t in out["trajectory"])
+    first, second = out["multi_modal_inputs"][:2]  # the two samples of prompt 0: different tool images
+    assert not torch.equal(first["image_grid_thw"], second["image_grid_thw"])
     return out
 
 
@@ -97,8 +106,14 @@ def test_transformers_engine_matches_the_forward_over_the_whole_trajectory(tiny_
 
 
 @pytest.mark.slow
-def test_vllm_engine_matches_the_forward_and_the_actor(tiny_model_path, model, image_dir, process_group):
+def test_vllm_engine_matches_the_forward_and_the_actor(tiny_model_path, model, image_dir, request):
+    import gc
+
+    import torch.distributed as dist
+
     from easyvlm.workers.actor import ActorWorker
+    from easyvlm.workers.dist import init_distributed
+    from easyvlm.workers.forward import shared_prompt_sources
 
     plan = tool_plan(tiny_model_path, T, "worker.rollout.name=vllm", "worker.rollout.tools=[image_zoom]",
                      "worker.rollout.max_tokens_per_turn=96", "worker.rollout.max_turns=2",
@@ -109,6 +124,16 @@ def test_vllm_engine_matches_the_forward_and_the_actor(tiny_model_path, model, i
     # image included) must equal the batch's input_ids (easyvlm.rollout.vllm._check_prompts)
     out = rollout(plan, image_dir, engine)
     check_parity(out, model, plan, atol=1e-3)
+    # vLLM's teardown destroys the default process group: close it before the actor needs one,
+    # and leave one initialised for the worker tests that share the session's group
+    del engine
+    gc.collect()
+    request.getfixturevalue("process_group")
+    if not dist.is_initialized():
+        init_distributed("gloo")
+    # each prompt runs once for its two samples in the packed forward, their different tool images do not
+    P = out["prompts"].shape[1]
+    assert shared_prompt_sources(out, P, model.config.image_token_id).tolist() == [0, 0, 2, 2]
     actor = ActorWorker(plan.actor, rank=0, world_size=1)
     actor_logprobs = actor.compute_logprobs(out)["old_logprobs"]
     mask = out["response_mask"].bool()  # every model token, the scripted turn included

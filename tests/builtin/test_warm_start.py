@@ -17,3 +17,9 @@ def test_cache_key_changes_with_the_recipe():
     other = WarmStartSpec(spec.base, spec.dataset, spec.steps + 1, spec.batch_size, spec.lr, spec.answer_rate)
     assert warm_start_key(spec) != warm_start_key(other)
     assert warm_start_key(spec) == warm_start_key(WarmStartSpec(**vars(spec)))
+
+
+def test_zoom_warm_start_prompt_is_the_tools_demo_format_prompt():
+    from easyvlm.builtin.warm_start import ZOOM_FORMAT_PROMPT
+
+    assert (REPO / "format_prompts" / "zoom.jinja").read_text().strip() == ZOOM_FORMAT_PROMPT

@@ -363,3 +363,15 @@ def test_vllm_only_settings_with_the_hf_engine_are_a_notice():
     assert notices(cfg) == ["worker.rollout.name=hf: worker.rollout.limit_images, worker.rollout.enforce_eager configure "
                             "vLLM and do nothing with transformers' generate"]
     assert notices(load_config(BASE + ["worker.rollout.limit_images=2"])) == []  # vLLM reads them
+
+
+def test_tools_example_is_the_demo_with_the_zoom_task_and_its_tool(monkeypatch):
+    """examples/tools.yaml: the demo's algorithm on the zoom task, with image_zoom over two turns."""
+    monkeypatch.chdir(REPO)
+    tools, demo = load_config(["config=examples/tools.yaml"]), load_config(["config=examples/config.yaml"])
+    assert find_problems(tools, check_files=True) == []
+    assert (tools.data.train_files, tools.data.max_pixels) == ("builtin:synthetic-zoom@train", 112 * 112)
+    rollout = tools.worker.rollout
+    assert (rollout.tools, rollout.max_turns, rollout.max_tokens_per_turn) == (["image_zoom"], 2, 8)
+    assert tools.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-zoom"
+    assert tools.worker.reward.reward_function == "./reward_functions/zoom.py:compute_score"

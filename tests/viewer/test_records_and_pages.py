@@ -180,3 +180,30 @@ def test_a_video_shows_four_evenly_spaced_frames(tmp_path):
     images, videos = save_media([], [video], tmp_path)
     assert images == [] and len(videos) == 1
     assert [Image.open(tmp_path / p).getpixel((0, 0))[0] for p in videos[0]] == [0, 80, 120, 200]
+
+
+def test_multi_turn_samples_keep_their_turns_and_the_tools_images(tmp_path):
+    batch = rollout_batch()
+    green = image("green")
+    zoom = {"messages": [
+        {"role": "assistant", "content": "<tool_call>zoom</tool_call>"},
+        {"role": "tool", "name": "image_zoom", "content": "", "num_images": 1, "error": None},
+        {"role": "assistant", "content": "ab"},
+    ], "images": [green]}
+    failed = {"messages": [
+        {"role": "assistant", "content": "<tool_call>?"},
+        {"role": "tool", "name": "(malformed)", "content": "Error: not JSON", "num_images": 0, "error": "not JSON"},
+    ], "images": []}
+    batch["trajectory"] = [zoom, failed, zoom, failed]
+    samples = build_samples(capture_rollouts(1, "train", batch, SCORES, SCORES["overall"]), CharTokenizer(), tmp_path)
+    green_file = samples[0].turns[1]["images"][0]
+    assert Image.open(tmp_path / green_file).getpixel((0, 0)) == (0, 128, 0)
+    assert samples[0].turns == [
+        {"role": "assistant", "content": "<tool_call>zoom</tool_call>", "images": []},
+        {"role": "tool", "content": "", "images": [green_file]},
+        {"role": "assistant", "content": "ab", "images": []},
+    ]
+    assert samples[1].turns[1] == {"role": "tool", "content": "Error: not JSON", "images": []}
+    assert sample_from_json(sample_to_json(samples[0])) == samples[0]
+    # single-turn batches have no turns
+    assert build_samples(capture_rollouts(1, "train", rollout_batch(), SCORES, SCORES["overall"]), CharTokenizer(), tmp_path)[0].turns == []

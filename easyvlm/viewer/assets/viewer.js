@@ -66,6 +66,18 @@
       response.textContent = sample.response;
     }
     node.appendChild(response);
+    if (sample.turns && sample.turns.length) {
+      // multi-turn: every turn after the prompt; the shaded tokens above are the model's turns only
+      const turns = el("div", { class: "turns" });
+      for (const turn of sample.turns) {
+        const item = el("div", { class: "turn turn-" + turn.role });
+        item.appendChild(el("span", { class: "role", text: turn.role }));
+        item.appendChild(el("span", { class: "content", text: turn.content }));
+        for (const src of turn.images || []) item.appendChild(thumb(src, turn.role + " image"));
+        turns.appendChild(item);
+      }
+      node.appendChild(turns);
+    }
     return node;
   }
 

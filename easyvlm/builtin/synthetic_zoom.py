@@ -1,0 +1,127 @@
+"""A synthetic task that needs the zoom tool: the answer is only readable at full resolution.
+
+Images are 224x224 px, white, with one 80x80 striped patch in one of the four 112x112 quadrants.
+The stripes are 1 px wide and alternate a palette colour with its complement (255 - each
+channel). Fitted under ``data.max_pixels = 112 * 112`` (``examples/tools.yaml``), the image is
+halved and every pair of stripes averages to the same grey: the model sees *where* the patch is
+(a grey square on white) but not its colour. ``image_zoom`` on the patch's quadrant, box
+``[x1, y1, x2, y2]`` in the 112x112 view, crops the 112x112 original quadrant and returns it at
+the area of the view, i.e. at full resolution, where the stripes and their colour are plain.
+
+Rows (EasyR1's format, paths relative to the JSONL file)::
+
+    {"problem": "<image>What colour are the stripes?", "answer": "red",
+     "images": ["images/train_000123.png"], "task": "zoom", "options": [...], "quadrant": 2,
+     "box": [0, 56, 56, 112]}
+
+``box`` is the quadrant in the coordinates of the fitted 112x112 view (what a correct zoom call
+gives); reward_functions/zoom.py checks calls against it. Splits follow the image task's rule
+(:func:`easyvlm.builtin.synthetic.distinct_samples`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+from PIL import Image
+
+from easyvlm.builtin.synthetic import PALETTE, SyntheticDatasetError, distinct_samples, png_bytes, sized_cache_dir
+from easyvlm.utils.cache import build_once
+
+# Bump when rendering, questions or row format change (it is part of the cache key).
+BUILD_VERSION = 1
+
+IMAGE_SIZE = 224
+VIEW_SIZE = 112  # the fitted view under data.max_pixels = 112 * 112
+PATCH = 80
+QUESTION = "What colour are the stripes?"
+TASKS = ("zoom",)
+DEFAULT_SIZES = {"train": 2000, "val": 128, "test": 128}
+DATASETS = ("synthetic-zoom",)
+
+
+# Single tokens of the builtin tool-calling model (tiny-qwen2.5-vl-tools): a zoom call on a quadrant
+# is <tool_call> + CALL_PREFIX + one box + CALL_SUFFIX + </tool_call>, six tokens with its EOS. A real
+# BPE vocabulary has multi-character tokens; a byte-level one would spell the call over ~60.
+CALL_PREFIX = '{"name":"image_zoom","arguments":{"box":['
+CALL_SUFFIX = "]}}"
+
+
+def quadrant_box(quadrant: int, size: int = VIEW_SIZE) -> list[int]:
+    """[x1, y1, x2, y2] of quadrant 0 (top left), 1 (top right), 2 (bottom left), 3 (bottom right)."""
+    half = size // 2
+    x, y = (quadrant % 2) * half, (quadrant // 2) * half
+    return [x, y, x + half, y + half]
+
+
+def striped_patch(colour: tuple[int, int, int], size: int = PATCH) -> Image.Image:
+    """1 px vertical stripes of ``colour`` and its complement."""
+    complement = tuple(255 - c for c in colour)
+    patch = Image.new("RGB", (size, size), colour)
+    pixels = patch.load()
+    for x in range(1, size, 2):
+        for y in range(size):
+            pixels[x, y] = complement
+    return patch
+
+
+def render_sample(task: str, rng: random.Random) -> tuple[Image.Image, dict]:
+    if task != "zoom":
+        raise SyntheticDatasetError(f"unknown zoom task {task!r}; known: {list(TASKS)}")
+    colour = rng.choice(sorted(PALETTE))
+    quadrant = rng.randrange(4)
+    x0, y0, _, _ = quadrant_box(quadrant, IMAGE_SIZE)
+    # even offsets: the stripe pairs line up with the 2x2 pixels the fitted view averages
+    dx, dy = 2 * rng.randint(2, (IMAGE_SIZE // 2 - PATCH - 4) // 2), 2 * rng.randint(2, (IMAGE_SIZE // 2 - PATCH - 4) // 2)
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
+    image.paste(striped_patch(PALETTE[colour]), (x0 + dx, y0 + dy))
+    row = {"problem": "<image>" + QUESTION, "answer": colour, "task": task, "options": sorted(PALETTE),
+           "quadrant": quadrant, "box": quadrant_box(quadrant)}
+    return image, row
+
+
+def _content_hash(image: Image.Image, problem: str) -> bytes:
+    return hashlib.sha256(image.tobytes() + b"\0" + problem.encode()).digest()
+
+
+def write_dataset(out_dir: Path, split: str, num_samples: int) -> Path:
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / f"{split}.jsonl"
+    with open(jsonl, "w") as f:
+        for i, (image, row) in enumerate(distinct_samples(split, num_samples, {"zoom": 1.0}, render_sample, _content_hash, TASKS)):
+            rel = f"images/{split}_{i:06d}.png"
+            (out_dir / rel).write_bytes(png_bytes(image))
+            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"], "images": [rel], "task": row["task"],
+                                "options": row["options"], "quadrant": row["quadrant"], "box": row["box"]}) + "\n")
+    return jsonl
+
+
+def dataset_cache_dir(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-zoom",
+                      num_samples: int | None = None) -> Path:
+    if name not in DATASETS:
+        raise SyntheticDatasetError(f"unknown built-in zoom data set {name!r}; known: {list(DATASETS)}")
+    return sized_cache_dir(name, split, num_samples, DEFAULT_SIZES, BUILD_VERSION, cache_dir)
+
+
+def materialize_dataset(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-zoom",
+                        num_samples: int | None = None) -> Path:
+    """The JSONL file of ``builtin:synthetic-zoom@<split>``, generated once (atomically) and cached."""
+    target = dataset_cache_dir(split, cache_dir, name, num_samples)
+    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
+    build_once(target, lambda out: write_dataset(out, split, n))
+    return target / f"{split}.jsonl"
+
+
+def zoom_call(box: list[int]) -> str:
+    """The compact Hermes-format zoom call of ``box`` (what the warm start teaches)."""
+    return "<tool_call>" + CALL_PREFIX + ",".join(map(str, box)) + CALL_SUFFIX + "</tool_call>"
+
+
+def call_tokens() -> tuple[str, ...]:
+    """The word tokens a zoom call is made of (the tags, the prefix, the four boxes, the suffix)."""
+    return ("<tool_call>", "</tool_call>", CALL_PREFIX, *(",".join(map(str, quadrant_box(q))) for q in range(4)), CALL_SUFFIX)
