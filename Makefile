@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup browser test test-fast demo bench docs clean-cache
+.PHONY: setup browser test test-fast demo demo-tools bench docs clean-cache
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ test-fast: setup
 demo: setup
 	$(BIN)/python -m easyvlm.trainer.main config=examples/config.yaml
 	@echo "easyvlm: learning curve: checkpoints/easyvlm/tiny_synthetic_grpo/learning_curve.png; rollouts: checkpoints/easyvlm/tiny_synthetic_grpo/rollouts/index.html"
+
+demo-tools: setup
+	$(BIN)/python -m easyvlm.trainer.main config=examples/tools.yaml
+	@echo "easyvlm: learning curve: checkpoints/easyvlm/tiny_zoom_grpo/learning_curve.png; rollouts: checkpoints/easyvlm/tiny_zoom_grpo/rollouts/index.html"
 
 docs: setup
 	$(BIN)/python -m easyvlm.config.reference

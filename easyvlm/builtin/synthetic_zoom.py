@@ -1,22 +1,28 @@
 """A synthetic task that needs the zoom tool: the answer is only readable at full resolution.
 
-Images are 224x224 px, white, with one 80x80 striped patch in one of the four 112x112 quadrants.
-The stripes are 1 px wide and alternate a palette colour with its complement (255 - each
-channel). Fitted under ``data.max_pixels = 112 * 112`` (``examples/tools.yaml``), the image is
-halved and every pair of stripes averages to the same grey: the model sees *where* the patch is
-(a grey square on white) but not its colour. ``image_zoom`` on the patch's quadrant, box
-``[x1, y1, x2, y2]`` in the 112x112 view, crops the 112x112 original quadrant and returns it at
-the area of the view, i.e. at full resolution, where the stripes and their colour are plain.
+Images are 224x224 px, white, with a 80x80 striped patch in each of the four 112x112 quadrants,
+four different colours. The stripes are 1 px wide and alternate a palette colour with its
+complement (255 - each channel). Fitted under ``data.max_pixels = 112 * 112``
+(``examples/tools.yaml``), the image is halved and every pair of stripes averages to the same grey:
+the model sees four grey squares. The question names one quadrant ("What colour are the stripes
+at the top right?"); ``image_zoom`` on it, box ``[x1, y1, x2, y2]`` in the 112x112 view, crops the
+112x112 original quadrant and returns it at the area of the view, i.e. at full resolution, where
+the stripes and their colour are plain. Zooming elsewhere shows another quadrant's colour.
+
+Why the quadrant is named in the text rather than marked in the image: the tiny built-in model
+learns to read the stripes' colour in a short warm start (0.84 greedy after 200 steps) but not to
+find one marked square among four image tokens (chance after 200 steps of correct targets), so
+"where to zoom" is read from the question and "what is there" from the zoomed image.
 
 Rows (EasyR1's format, paths relative to the JSONL file)::
 
-    {"problem": "<image>What colour are the stripes?", "answer": "red",
-     "images": ["images/train_000123.png"], "task": "zoom", "options": [...], "quadrant": 2,
-     "box": [0, 56, 56, 112]}
+    {"problem": "<image>What colour are the stripes at the top right?", "answer": "red",
+     "images": ["images/train_000123.png"], "task": "zoom", "options": [...], "quadrant": 1,
+     "box": [56, 0, 112, 56]}
 
-``box`` is the quadrant in the coordinates of the fitted 112x112 view (what a correct zoom call
-gives); reward_functions/zoom.py checks calls against it. Splits follow the image task's rule
-(:func:`easyvlm.builtin.synthetic.distinct_samples`).
+``box`` is the named quadrant in the coordinates of the fitted 112x112 view (what a right zoom
+call gives); reward_functions/zoom.py checks calls against it. Splits follow the image task's
+rule (:func:`easyvlm.builtin.synthetic.distinct_samples`).
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ from easyvlm.builtin.synthetic import PALETTE, SyntheticDatasetError, distinct_s
 from easyvlm.utils.cache import build_once
 
 # Bump when rendering, questions or row format change (it is part of the cache key).
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 IMAGE_SIZE = 224
 VIEW_SIZE = 112  # the fitted view under data.max_pixels = 112 * 112
 PATCH = 80
-QUESTION = "What colour are the stripes?"
+QUADRANTS = ("top left", "top right", "bottom left", "bottom right")
+QUESTION = "What colour are the stripes at the {where}?"
 TASKS = ("zoom",)
 DEFAULT_SIZES = {"train": 2000, "val": 128, "test": 128}
 DATASETS = ("synthetic-zoom",)
@@ -72,15 +79,17 @@ def striped_patch(colour: tuple[int, int, int], size: int = PATCH) -> Image.Imag
 def render_sample(task: str, rng: random.Random) -> tuple[Image.Image, dict]:
     if task != "zoom":
         raise SyntheticDatasetError(f"unknown zoom task {task!r}; known: {list(TASKS)}")
-    colour = rng.choice(sorted(PALETTE))
-    quadrant = rng.randrange(4)
-    x0, y0, _, _ = quadrant_box(quadrant, IMAGE_SIZE)
-    # even offsets: the stripe pairs line up with the 2x2 pixels the fitted view averages
-    dx, dy = 2 * rng.randint(2, (IMAGE_SIZE // 2 - PATCH - 4) // 2), 2 * rng.randint(2, (IMAGE_SIZE // 2 - PATCH - 4) // 2)
+    colours = rng.sample(sorted(PALETTE), 4)  # one per quadrant, all different
     image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (255, 255, 255))
-    image.paste(striped_patch(PALETTE[colour]), (x0 + dx, y0 + dy))
-    row = {"problem": "<image>" + QUESTION, "answer": colour, "task": task, "options": sorted(PALETTE),
-           "quadrant": quadrant, "box": quadrant_box(quadrant)}
+    for quadrant, colour in enumerate(colours):
+        x0, y0, _, _ = quadrant_box(quadrant, IMAGE_SIZE)
+        # even offsets: the stripe pairs line up with the 2x2 pixels the fitted view averages
+        room = (IMAGE_SIZE // 2 - PATCH - 4) // 2
+        dx, dy = 2 * rng.randint(2, room), 2 * rng.randint(2, room)
+        image.paste(striped_patch(PALETTE[colour]), (x0 + dx, y0 + dy))
+    quadrant = rng.randrange(4)
+    row = {"problem": "<image>" + QUESTION.format(where=QUADRANTS[quadrant]), "answer": colours[quadrant], "task": task,
+           "options": sorted(PALETTE), "quadrant": quadrant, "box": quadrant_box(quadrant)}
     return image, row
 
 

@@ -1,4 +1,5 @@
-"""Plot a run's rewards and validation scores: every ``reward/*`` and ``val/*`` key it logged.
+"""Plot a run's rewards and validation scores: every ``reward/*`` and ``val/*`` key it logged
+(multi-turn counts aside).
 
     python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
 
@@ -15,6 +16,9 @@ import sys
 from pathlib import Path
 
 PANELS = (("reward/", "training rewards (sampled responses)"), ("val/", "validation"))
+# Left out of the panels: multi-turn counts (turns per sample up to max_turns, calls per sample)
+# share no scale with rewards; they stay in the JSONL log.
+NOT_PLOTTED = ("val/multi_turn/",)
 CURVE_FILE = "learning_curve.png"
 
 
@@ -33,7 +37,7 @@ def panel_series(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]
     keys = sorted({k for r in rows for k in r})
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for prefix, _ in PANELS:
-        found = {k: curve_points(rows, k) for k in keys if k.startswith(prefix)}
+        found = {k: curve_points(rows, k) for k in keys if k.startswith(prefix) and not k.startswith(NOT_PLOTTED)}
         series[prefix] = {k: points for k, points in found.items() if points}
     return series
 

@@ -44,9 +44,14 @@ def test_the_colour_needs_the_zoom():
         colour = PALETTE[row["answer"]]
         complement = tuple(255 - c for c in colour)
         assert set(zoomed.getdata()) == {(255, 255, 255), colour, complement}
-        # the other quadrants hold nothing
-        other = quadrant_box((row["quadrant"] + 1) % 4)
-        assert set(image_zoom(other, images=[view], original_images=[image]).getdata()) == {(255, 255, 255)}
+        # the question names the quadrant; every other quadrant holds another colour
+        assert ["top left", "top right", "bottom left", "bottom right"][row["quadrant"]] in row["problem"]
+        others = set()
+        for q in set(range(4)) - {row["quadrant"]}:
+            pixels = set(image_zoom(quadrant_box(q), images=[view], original_images=[image]).getdata()) - {(255, 255, 255)}
+            assert len(pixels) == 2 and colour not in pixels
+            others |= pixels
+        assert len(others) == 6  # three other colours and their complements
 
 
 def test_rows_and_call_tokens(tmp_path):
@@ -74,3 +79,14 @@ def test_reward_scores_the_answer_and_reports_the_zoom():
         {"overall": 0.0, "accuracy": 0.0, "zoom_correct": 0.0, "zoom_used": 1.0},  # the first call counts
         {"overall": 1.0, "accuracy": 1.0, "zoom_correct": 0.0, "zoom_used": 0.0},
     ]
+
+
+def test_a_zoom_call_is_five_tokens_of_the_tools_model_and_decodes_unchanged():
+    from easyvlm.builtin.models import build_tokenizer
+
+    tok = build_tokenizer(call_tokens())
+    call = zoom_call(quadrant_box(1))
+    ids = tok(call, add_special_tokens=False)["input_ids"]
+    # <tool_call>, the prefix, the box, the suffix, </tool_call>: punctuation decodes unchanged too
+    assert len(ids) == 5 and tok.decode(ids) == call
+    assert len(build_tokenizer()(call, add_special_tokens=False)["input_ids"]) == len(call.encode())

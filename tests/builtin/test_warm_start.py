@@ -23,3 +23,22 @@ def test_zoom_warm_start_prompt_is_the_tools_demo_format_prompt():
     from easyvlm.builtin.warm_start import ZOOM_FORMAT_PROMPT
 
     assert (REPO / "format_prompts" / "zoom.jinja").read_text().strip() == ZOOM_FORMAT_PROMPT
+
+
+def test_the_zoom_warm_start_trains_on_the_rl_loops_trajectories(tmp_path):
+    """Two steps of the tools recipe: the trajectories come from the multi-turn loop with the turns
+    given (the build asserts every one called the tool and answered), and a loadable model comes out."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from easyvlm.builtin.warm_start import build_warm_start
+
+    spec = dataclasses.replace(WARM_STARTS["tiny-qwen2.5-vl-zoom"], steps=2, batch_size=2)
+    lines = []
+    build_warm_start(spec, tmp_path / "model", log=lines.append)
+    assert lines[0].startswith("easyvlm: warm start 1/2: loss ") and lines[-1].startswith("easyvlm: warm start 2/2: loss ")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    assert (tmp_path / "model" / "format_prompt.jinja").read_text().strip() == (REPO / "format_prompts" / "zoom.jinja").read_text().strip()
+    assert model.config.image_token_id is not None

@@ -33,11 +33,12 @@ def test_main_writes_a_png_from_a_log_and_names_a_missing_log(tmp_path, capsys):
 
 
 def test_every_reward_and_validation_key_gets_a_curve_in_its_panel():
-    rows = [*ROWS, {"step": 3, "reward/format": 1.0, "val/reward_score": 2.5, "actor/pg_loss": 0.1, "val/flag": True}]
+    rows = [*ROWS, {"step": 3, "reward/format": 1.0, "val/reward_score": 2.5, "actor/pg_loss": 0.1, "val/flag": True,
+                    "val/multi_turn/turns/max": 2.0}]
     series = panel_series(rows)
     assert series == {
         "reward/": {"reward/accuracy": [(1, 0.5), (2, 0.75)], "reward/format": [(3, 1.0)], "reward/overall": [(1, 0.55)]},
-        # a bool is not a score; actor/ keys belong to neither panel
+        # a bool is not a score; actor/ keys belong to neither panel, multi-turn counts to none
         "val/": {"val/accuracy_reward": [(0, 0.25), (2, 0.5)], "val/reward_score": [(3, 2.5)]},
     }
 
