@@ -10,7 +10,8 @@ The class is instantiated once per sample with no arguments, then
   shown to the model as a user message. ``done`` ends the sample; the rewards of its steps are
   summed and given to the reward function as ``environment_reward``.
 
-A step that raises ends its sample with the error recorded (counted in the metrics), not the run.
+A step that raises or takes longer than ``worker.rollout.tool_timeout`` ends its sample with the
+error recorded (counted in the metrics), not the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from easyvlm.agents.tools import ToolError, ToolResult, normalise_result
+from easyvlm.agents.tools import ToolError, ToolResult, normalise_result, run_with_timeout
 from easyvlm.utils.plugins import PluginError, load_plugin
 
 
@@ -36,13 +37,12 @@ def load_environment(spec: str) -> type:
     return cls
 
 
-def environment_step(env: Any, action: str) -> tuple[ToolResult, bool, float]:
-    """(observation, done, reward) of ``env.step(action)``; an exception or a malformed return ends
-    the sample (done) with ``error`` set on the observation."""
-    try:
-        out = env.step(action)
-    except Exception as err:
-        return ToolResult(error=f"environment step failed: {type(err).__name__}: {err}"), True, 0.0
+def environment_step(env: Any, action: str, timeout: float) -> tuple[ToolResult, bool, float]:
+    """(observation, done, reward) of ``env.step(action)``; an exception, a step longer than
+    ``timeout`` seconds or a malformed return ends the sample (done) with ``error`` set."""
+    out, error = run_with_timeout(lambda: env.step(action), timeout, "environment step")
+    if error is not None:
+        return ToolResult(error=error), True, 0.0
     if not isinstance(out, tuple) or len(out) not in (2, 3):
         return ToolResult(error=f"environment step must return (observation, done[, reward]), got {type(out).__name__}"), True, 0.0
     observation, done, reward = (*out, 0.0) if len(out) == 2 else out

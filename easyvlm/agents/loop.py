@@ -215,7 +215,7 @@ class MultiTurnRollout:
             s.finish = "max_tokens"
             return
         if self.environment is not None:
-            observation, done, reward = environment_step(s.env, text)
+            observation, done, reward = environment_step(s.env, text, self.settings.tool_timeout)
             s.environment_reward += reward
             if observation.error is not None:
                 s.tool_calls.append({"name": "environment", "arguments": text, "ok": False, "error": observation.error})

@@ -174,19 +174,28 @@ def call_tool(tool: Tool, arguments: Any, context: Mapping[str, Any], timeout: f
     if missing:
         return ToolResult(error=f"{tool.name} needs the argument(s) {', '.join(missing)}")
     kwargs = {**arguments, **{name: context[name] for name in tool.reserved}}
+    value, error = run_with_timeout(lambda: tool.function(**kwargs), timeout, tool.name)
+    if error is not None:
+        return ToolResult(error=error[:MAX_RESULT_CHARS])
+    return normalise_result(value, tool.name)
+
+
+def run_with_timeout(call: Callable[[], Any], timeout: float, name: str) -> tuple[Any, str | None]:
+    """(what ``call()`` returned, None), or (None, why it failed: "<name> failed: ..." /
+    "<name> timed out after N s"). Runs in a daemon thread, abandoned at the time limit."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["value"] = tool.function(**kwargs)
+            outcome["value"] = call()
         except Exception as err:  # the model sees the error; the run goes on
             outcome["error"] = f"{type(err).__name__}: {err}"
 
-    thread = threading.Thread(target=run, name=f"easyvlm-tool-{tool.name}", daemon=True)
+    thread = threading.Thread(target=run, name=f"easyvlm-tool-{name}", daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        return ToolResult(error=f"{tool.name} timed out after {timeout:g} s")
+        return None, f"{name} timed out after {timeout:g} s"
     if "error" in outcome:
-        return ToolResult(error=f"{tool.name} failed: {outcome['error']}"[:MAX_RESULT_CHARS])
-    return normalise_result(outcome.get("value"), tool.name)
+        return None, f"{name} failed: {outcome['error']}"
+    return outcome.get("value"), None

@@ -264,3 +264,29 @@ def test_tool_timeout_comes_from_the_config(tiny_model_path, image_dir, tmp_path
     out, _ = run_scripted(plan, enc, prompts, [[call % 30, call % 0, "42"]])
     results = [m["content"] for m in out["trajectory"][0]["messages"] if m["role"] == "tool"]
     assert results == ["Error: wait timed out after 0.3 s", "done"]
+
+
+SLOW_ENV = '''
+import time
+
+class Slow:
+    def reset(self, row):
+        pass
+
+    def step(self, action):
+        time.sleep(30)
+        return "late", False
+'''
+
+
+def test_an_environment_step_past_the_time_limit_ends_its_sample(tiny_model_path, image_dir, tmp_path):
+    env_file = tmp_path / "slow_env.py"
+    env_file.write_text(SLOW_ENV)
+    plan = tool_plan(tiny_model_path, T, f"worker.rollout.environment={env_file}:Slow", "worker.rollout.tool_timeout=0.2")
+    enc = encoder_of(plan)
+    out, _ = run_scripted(plan, enc, prompt_batch(enc, ROWS[1:], image_dir), [["go", "again"]])
+    trajectory = out["trajectory"][0]
+    assert trajectory["finish"] == "done" and trajectory["num_turns"] == 1
+    assert trajectory["tool_calls"] == [{"name": "environment", "arguments": "go", "ok": False,
+                                         "error": "environment step timed out after 0.2 s"}]
+    assert trajectory_metrics(out["trajectory"])["multi_turn/tool/environment/error_rate"] == 1.0
