@@ -56,9 +56,10 @@ def synthetic_val_file(easyvlm_cache_dir: Path) -> str:
     return str(materialize_dataset("val", cache_dir=easyvlm_cache_dir, num_samples=TEST_VAL_SIZE))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def process_group():
-    """torch.distributed initialised as rank 0 of 1 (gloo), as the workers require."""
+    """torch.distributed initialised as rank 0 of 1 (gloo), as the workers require. Checked per
+    module: an in-process vLLM engine destroys the default group when it is torn down."""
     import torch.distributed as dist
 
     from easyvlm.workers.dist import init_distributed
