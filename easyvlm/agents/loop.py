@@ -34,7 +34,6 @@ Seeds: with per-request seeds, turn t of sample j of a prompt seeded s samples w
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -76,6 +75,8 @@ class _Sample:
     finish: str | None = None
     env: Any = None
     environment_reward: float = 0.0
+    originals: list | None = None  # the row's full-resolution images, once a tool asked for them
+    num_prompt_images: int = 0
 
     def context(self) -> tuple[list[int], list[int]]:
         return self.prompt_ids + self.response, self.raw_prompt_ids + self.raw_response
@@ -161,7 +162,8 @@ class MultiTurnRollout:
         for row in range(len(repeated)):
             seed = None if seeds is None or sampling.greedy else mix_seeds(seeds[row], row % n)
             sample = _Sample(row, ids[row][mask[row]].tolist(), list(repeated["raw_prompt_ids"][row]),
-                             list(images[row] or []), [dict(items[row] or {})], seed)
+                             list(images[row] or []), [dict(items[row] or {})], seed,
+                             num_prompt_images=len(images[row] or []))
             if self.environment is not None:
                 extra = (repeated.get("extra") or [None] * len(repeated))[row] or {}
                 truth = repeated["ground_truth"][row] if "ground_truth" in repeated else None
@@ -245,14 +247,15 @@ class MultiTurnRollout:
         elif call.name not in self.tools:
             result = ToolResult(error=f"there is no tool {call.name!r}; tools: {', '.join(self.tools)}")
         else:
-            extra = (repeated.get("extra") or [{}] * len(repeated))[s.row] or {}
-            loader = originals[s.row] if originals is not None else None
-            context = {
-                "images": list(s.images),
-                "original_images": loader.load() if loader is not None else [],
-                "row": dict(extra),
-            }
-            result = call_tool(self.tools[call.name], call.arguments, context, self.settings.tool_timeout)
+            tool = self.tools[call.name]
+            context: dict[str, Any] = {"images": list(s.images)}
+            if "original_images" in tool.reserved:
+                if s.originals is None:  # read from disk once per sample, on its first use
+                    s.originals = originals[s.row].load() if originals is not None else []
+                context["original_images"] = s.originals
+            if "row" in tool.reserved:
+                context["row"] = dict((repeated.get("extra") or [{}] * len(repeated))[s.row] or {})
+            result = call_tool(tool, call.arguments, context, self.settings.tool_timeout)
         s.tool_calls.append({
             "name": call.name or "(malformed)",
             "arguments": call.arguments if call.error is None else call.text,
@@ -314,7 +317,7 @@ class MultiTurnRollout:
                         "num_turns": s.num_turns,
                         "finish": s.finish,
                         "environment_reward": s.environment_reward,
-                        "images": s.images[len(repeated.get("images", [[]] * len(samples))[s.row] or []):],
+                        "images": s.images[s.num_prompt_images:],
                     }
                     for s in samples
                 ],
@@ -359,8 +362,3 @@ def trajectory_metrics(trajectories: Sequence[dict]) -> dict[str, float]:
         metrics[f"multi_turn/finish/{reason}"] = sum(t["finish"] == reason for t in trajectories) / n
     return metrics
 
-
-def describe_call(call: dict) -> str:
-    """One tool call as a short line (for logs and the viewer)."""
-    status = "ok" if call["ok"] else f"error: {call['error']}"
-    return f"{call['name']}({json.dumps(call['arguments'])[:80]}) -> {status}"

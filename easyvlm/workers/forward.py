@@ -194,7 +194,8 @@ def shared_prompt_sources(batch: Batch, prompt_length: int, image_token_id: int 
     same &= (pos[1:, ..., :P] == pos[:-1, ..., :P]).flatten(1).all(-1)
     items = batch.get(MULTI_MODAL_KEY) or [None] * B
     sources = list(range(B))
-    if image_token_id is not None:
+    if image_token_id is not None and bool(((ids[:, P:] == image_token_id) & mask[:, P:]).any()):
+        # multi-turn rows: tools put images in the response; compare the prompts' images only
         items = [split_prompt_images(items[b], ids[b], mask[b], P, image_token_id)[0] for b in range(B)]
     for b, equal in enumerate(same.tolist(), start=1):
         if equal and _same_item(items[b], items[b - 1]):
