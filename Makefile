@@ -44,6 +44,12 @@ demo-tools: setup
 	$(BIN)/python -m easyvlm.trainer.main config=examples/tools.yaml
 	@echo "easyvlm: learning curve: checkpoints/easyvlm/tiny_zoom_grpo/learning_curve.png; rollouts: checkpoints/easyvlm/tiny_zoom_grpo/rollouts/index.html"
 
+rm: setup
+	$(BIN)/python -m easyvlm.rm config=examples/rm.yaml
+
+demo-rlhf: rm
+	$(BIN)/python -m easyvlm.trainer.main config=examples/config.yaml config=examples/rlhf.yaml
+
 docs: setup
 	$(BIN)/python -m easyvlm.config.reference
 

@@ -81,3 +81,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA (marked gpu); no CUDA device here")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def exported_reward_model(tiny_model_path: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The ``huggingface/`` export of a reward model trained 3 steps from ``tiny-qwen2.5-vl`` by
+    ``python -m easyvlm.rm`` (in this process: it initialises the gloo group of 1 the workers use)."""
+    from easyvlm.rm.train import main
+
+    out = tmp_path_factory.mktemp("reward_model")
+    main([f"config={Path(__file__).resolve().parents[1] / 'examples' / 'rm.yaml'}", f"model.model_path={tiny_model_path}",
+          "data.train_files=builtin:synthetic-preference@val", "data.val_files=", "trainer.val_before_train=false",
+          "trainer.val_freq=-1", "trainer.max_steps=3", f"trainer.save_checkpoint_path={out}"])
+    return str(out / "global_step_3" / "huggingface")

@@ -91,6 +91,8 @@ EXTERNAL_DATASETS: dict[str, str] = {
     "synthetic-video-frames": "easyvlm.builtin.synthetic_video",
     "synthetic-video-direction": "easyvlm.builtin.synthetic_video",
     "synthetic-zoom": "easyvlm.builtin.synthetic_zoom",
+    "synthetic-preference": "easyvlm.builtin.synthetic_preference",
+    "synthetic-colour-preference": "easyvlm.builtin.synthetic_preference",
 }
 
 

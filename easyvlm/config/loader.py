@@ -87,8 +87,11 @@ def to_yaml(cfg: PPOConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def load_config_collecting(argv: Sequence[str], base: PPOConfig | None = None) -> tuple[PPOConfig, list[Problem]]:
-    """Like `load_config`, but return the problems instead of raising.
+def load_config_collecting(
+    argv: Sequence[str], base: Any = None, schema: type = PPOConfig
+) -> tuple[Any, list[Problem]]:
+    """Like `load_config`, but return the problems instead of raising. ``schema``: the config
+    dataclass (`PPOConfig`; `easyvlm.rm.config.RMConfig` for reward-model training).
 
     The config returned has every valid setting applied and the faulty ones skipped, so that
     `validate` can report the remaining problems in the same run.
@@ -108,23 +111,23 @@ def load_config_collecting(argv: Sequence[str], base: PPOConfig | None = None) -
     # (where, leaves) per source, in merge order: base config, files, overrides.
     sources: list[tuple[str, list[tuple[str, Any]]]] = []
     if base is not None:
-        sources.append(("in the base config", _leaves(dataclasses.asdict(base), "in the base config", problems)))
+        sources.append(("in the base config", _leaves(dataclasses.asdict(base), "in the base config", problems, schema)))
     for path in files:
         data = _read_yaml(path, problems)
         if data is not None:
-            sources.append((f"in {path}", _leaves(data, f"in {path}", problems)))
+            sources.append((f"in {path}", _leaves(data, f"in {path}", problems, schema)))
     for item in overrides:
         try:
             data = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
         except OmegaConfBaseException as exc:
             problems.append(Problem(item.partition("=")[0], f"cannot parse the override {item!r}: {_first_line(exc)}"))
             continue
-        sources.append(("on the command line", _leaves(data, "on the command line", problems)))
+        sources.append(("on the command line", _leaves(data, "on the command line", problems, schema)))
 
     # One merge of everything is fast (each merge copies the whole tree); only when it fails,
     # merge key by key to find every ill-typed value. Merges return new nodes, so the cached
     # default node is never modified.
-    node = _default_node()
+    node = _default_node(schema)
     try:
         node = OmegaConf.merge(node, _nest([leaf for _, leaves in sources for leaf in leaves]))
     except OmegaConfBaseException:
@@ -139,15 +142,15 @@ def load_config_collecting(argv: Sequence[str], base: PPOConfig | None = None) -
         cfg = OmegaConf.to_object(node)
     except OmegaConfBaseException as exc:  # e.g. an interpolation ${...} that does not resolve
         problems.append(Problem(getattr(exc, "full_key", None) or "config", _first_line(exc)))
-        cfg = base if base is not None else PPOConfig()
-    assert isinstance(cfg, PPOConfig)
+        cfg = base if base is not None else schema()
+    assert isinstance(cfg, schema)
     return cfg, problems
 
 
 @functools.cache
-def _default_node() -> Any:
+def _default_node(schema: type = PPOConfig) -> Any:
     """The schema's defaults as an OmegaConf node (building it takes ~0.1 s, so it is built once)."""
-    return OmegaConf.structured(PPOConfig)
+    return OmegaConf.structured(schema)
 
 
 def _read_yaml(path: str, problems: list[Problem]) -> Mapping | None:
@@ -165,15 +168,16 @@ def _read_yaml(path: str, problems: list[Problem]) -> Mapping | None:
     return data
 
 
-def _leaves(data: Mapping, where: str, problems: list[Problem]) -> list[tuple[str, Any]]:
+def _leaves(data: Mapping, where: str, problems: list[Problem], schema: type = PPOConfig) -> list[tuple[str, Any]]:
     """``(dotted key, value)`` for every known value in ``data``; unknown keys go to ``problems``."""
     leaves: list[tuple[str, Any]] = []
-    _collect_leaves(PPOConfig, data, "", leaves, where, problems)
+    _collect_leaves(schema, data, "", leaves, where, problems, schema)
     return leaves
 
 
 def _collect_leaves(
-    cls: type, data: Any, prefix: str, leaves: list[tuple[str, Any]], where: str, problems: list[Problem]
+    cls: type, data: Any, prefix: str, leaves: list[tuple[str, Any]], where: str, problems: list[Problem],
+    root: type = PPOConfig,
 ) -> None:
     """Walk ``data`` along the schema: known values go to ``leaves``, unknown keys to ``problems``."""
     if not isinstance(data, Mapping):
@@ -184,9 +188,9 @@ def _collect_leaves(
         key = f"{prefix}.{name}" if prefix else str(name)
         tp = types.get(str(name))
         if tp is None:
-            problems.append(Problem(key, f"{unknown_key_hint(key)} ({where})"))
+            problems.append(Problem(key, f"{unknown_key_hint(key, root)} ({where})"))
         elif is_section(tp):
-            _collect_leaves(tp, value, key, leaves, where, problems)
+            _collect_leaves(tp, value, key, leaves, where, problems, root)
         else:
             item_type = list_item_type(tp)
             if is_section(item_type) and isinstance(value, list):
@@ -215,22 +219,22 @@ def _check_items(item_type: type, items: list, key: str, where: str, problems: l
     return ok
 
 
-def unknown_key_hint(key: str) -> str:
+def unknown_key_hint(key: str, schema: type = PPOConfig) -> str:
     """Why ``key`` is unknown and what the user probably meant (difflib on the sibling keys)."""
-    if key in RENAMED:
+    if schema is PPOConfig and key in RENAMED:
         return (
             f"unknown key; set {RENAMED[key]} instead (this is EasyR1's or verl's name for it, or a value "
             "EasyR1 derives from it)"
         )
     parent, _, name = key.rpartition(".")
-    parent_type = type_at(PPOConfig, parent) if parent else PPOConfig
+    parent_type = type_at(schema, parent) if parent else schema
     siblings = list(field_types(parent_type))
     where = f"in {parent}" if parent else "at the top level"
     close = difflib.get_close_matches(name, siblings, n=2, cutoff=0.7)
     if close:
         return f"unknown key {where}; did you mean {' or '.join(_join(parent, c) for c in close)}?"
     # Right name, wrong section (worker.actor.lr -> worker.actor.optim.lr): nearest sections first.
-    elsewhere = [k for k in all_keys(PPOConfig) if k.rpartition(".")[2] == name]
+    elsewhere = [k for k in all_keys(schema) if k.rpartition(".")[2] == name]
     elsewhere.sort(key=lambda k: (not k.startswith(parent + "."), k.count("."), k))
     if elsewhere:
         return f"unknown key {where}; '{name}' is a key of {' and '.join(elsewhere[:3])}"

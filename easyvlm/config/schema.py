@@ -413,6 +413,41 @@ class RewardConfig:
 
 
 @dataclass(frozen=True)
+class RewardModelModelConfig:
+    model_path: Optional[str] = None
+    """The reward model: the `huggingface/` directory `python -m easyvlm.rm` exports, or any
+    scalar sequence-classification model (`...ForSequenceClassification`, `num_labels=1`) that
+    shares the policy's tokenizer; a local directory or a hub id."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values that override the reward model's `config.json` when it is loaded."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the reward model's repository."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel of the reward model (see `worker.actor.model.attn_implementation`)."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = False
+    """easyvlm extra (verl's `reward_model.enable`). Score every response with a trained reward
+    model in its own worker group. Its score reaches reward functions as `reward_model_score`;
+    `reward_functions/reward_model.py:compute_score` returns it as the reward, alone or weighted
+    with rule rewards in `worker.reward.reward_functions`."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model's files."""
+    micro_batch_size_per_device: int = 16
+    """Sequences per forward pass on one device (verl's `micro_batch_size_per_gpu`)."""
+    padding_free: bool = True
+    """Pack sequences without padding; the samples of one prompt share its pass."""
+    normalize: Literal["none", "running"] = "none"
+    """`running`: standardise each score by the running mean and standard deviation of all scores
+    seen so far in training (kept in checkpoints; validation uses them without updating them). The
+    reward's scale stops depending on the reward model's, at the price of a moving target early on."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP settings of the reward model."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["vllm", "hf"] = "vllm"
     """Generation engine: vllm, or hf (transformers' generate: slow, for comparison and
@@ -495,6 +530,8 @@ class WorkerConfig:
     """The reference policy for the KL penalty."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The reward function(s)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """easyvlm extra. A trained reward model whose score the reward functions can use."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
 

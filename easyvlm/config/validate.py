@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.introspect import describe, field_types, is_finite_number, is_section, matches
+from easyvlm.config.introspect import all_keys, describe, field_types, is_finite_number, is_section, matches
 from easyvlm.config.schema import (
     ADV_ESTIMATORS,
     LoraConfig,
     GROUP_ADV_ESTIMATORS,
     POLICY_LOSSES,
     PPOConfig,
+    RewardModelConfig,
     RolloutConfig,
 )
 from easyvlm.agents.tools import SHIPPED_TOOLS
@@ -68,6 +69,7 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
     if c.get("algorithm.adv_estimator") == "gae":  # the critic exists only for gae
         _check_critic(c)
     _check_reward(c)
+    _check_reward_model(c)
     _check_rollout(c)
     _check_trainer(c)
     _check_fsdp(c, "worker.ref.fsdp")
@@ -455,6 +457,35 @@ def _check_reward(c: _Checks) -> None:
     c.at_least("worker.reward.num_cpus", 1)
 
 
+def _check_reward_model(c: _Checks) -> None:
+    rm = c.cfg.worker.reward_model
+    p = "worker.reward_model"
+    specs = [c.cfg.worker.reward.reward_function] + [f.reward_function for f in c.cfg.worker.reward.reward_functions]
+    uses_score = [s for s in specs if s and Path(s.partition(":")[0]).name == "reward_model.py"]
+    if not rm.enable:
+        keys = all_keys(RewardModelConfig)
+        leaves = [k for k in keys if k != "enable" and not any(o.startswith(k + ".") for o in keys)]
+        changed = [k for k in leaves if _differs(rm, RewardModelConfig(), k)]
+        if changed:
+            c.add(f"{p}.{changed[0]}", f"is set but {p}.enable is false, so no reward model runs; set {p}.enable=true "
+                  f"(or remove the {p} keys)")
+        if uses_score:
+            c.add(f"{p}.enable", f"is false, but the reward function {uses_score[0]} returns the reward model's score; "
+                  f"set {p}.enable=true and {p}.model.model_path")
+        return
+    if not rm.model.model_path:
+        c.add(f"{p}.model.model_path", "is unset: give the huggingface/ directory that `python -m easyvlm.rm` exports "
+              "(or another scalar sequence-classification model)")
+    c.positive(f"{p}.micro_batch_size_per_device")
+    _check_fsdp(c, f"{p}.fsdp")
+
+
+def _differs(obj: Any, default: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        obj, default = getattr(obj, part), getattr(default, part)
+    return obj != default
+
+
 def _check_spec(c: _Checks, key: str, spec: str) -> None:
     if not is_plugin_spec(spec):
         c.add(key, f"{spec!r} is not path/to/file.py:func (the file must end in .py)")
@@ -689,6 +720,9 @@ def _check_files(c: _Checks) -> None:
                 must_exist(key, path, "data file or directory")
     must_exist("data.format_prompt", cfg.data.format_prompt, "format prompt file")
     must_exist("data.image_dir", cfg.data.image_dir, "image directory", is_dir=True)
+    rm_path = cfg.worker.reward_model.model.model_path
+    if cfg.worker.reward_model.enable and rm_path and not rm_path.startswith("builtin:") and _looks_local(rm_path):
+        must_exist("worker.reward_model.model.model_path", rm_path, "model directory", is_dir=True)
     roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
     for role in roles:
         model = c.get(f"worker.{role}.model")

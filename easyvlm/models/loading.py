@@ -9,7 +9,9 @@ Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``AutoModelForImageTextToText``) an
 (Qwen2, Qwen2.5, Qwen3, Llama-style: ``AutoModelForCausalLM``). The critic is
 ``AutoModelForTokenClassification`` with ``num_labels=1`` when transformers has that class for the
 architecture (Qwen2/3, Llama), else :class:`ValueHeadModel`: the model's backbone
-(``AutoModel``, e.g. ``Qwen2_5_VLModel``) plus a linear value head.
+(``AutoModel``, e.g. ``Qwen2_5_VLModel``) plus a linear value head. A reward model is
+``AutoModelForSequenceClassification`` (``num_labels=1``; easyvlm.models.reward_model registers the
+class for the vision-language families), held as a ``ScalarHeadModel`` that scores every token.
 
 ``trust_remote_code`` is off by default (EasyR1 turns it on): it runs Python code shipped with a
 checkpoint, and every supported family is implemented in transformers itself.
@@ -27,11 +29,12 @@ from torch import nn
 
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
+from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
 from easyvlm.plan.specs import LoraSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 
-ModelRole = Literal["policy", "critic"]
+ModelRole = Literal["policy", "critic", "reward"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ def load_model(
         AutoModel,
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
         AutoModelForTokenClassification,
     )
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
@@ -146,9 +150,9 @@ def load_model(
     vision_language = is_vision_language_config(hf_config)
     # the config check (validate.model_problems) refused other families before anything started
     assert not vision_language or hf_config.model_type in MROPE_MODEL_TYPES, hf_config.model_type
-    if role not in ("policy", "critic"):
-        raise ValueError(f"load_model: role must be 'policy' or 'critic', got {role!r}")
-    assert spec.lora is None or role == "policy", "validate() refuses LoRA on the critic"
+    if role not in ("policy", "critic", "reward"):
+        raise ValueError(f"load_model: role must be 'policy', 'critic' or 'reward', got {role!r}")
+    assert spec.lora is None or role == "policy", "validate() refuses LoRA on the critic and the reward model"
     requested = available_attn_implementation(spec.attn_implementation)
     kwargs = dict(
         dtype=dtype,
@@ -164,6 +168,9 @@ def load_model(
 
     if role == "policy":
         model = build(AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)
+    elif role == "reward":  # a scalar sequence classifier, scored per token (easyvlm.models.reward_model)
+        register_sequence_classification()
+        model = ScalarHeadModel(build(AutoModelForSequenceClassification))
     elif hf_config.model_type in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
         hf_config.num_labels = 1
         model = build(AutoModelForTokenClassification)
@@ -187,7 +194,7 @@ def load_model(
             tower.requires_grad_(False)
 
     if trainable and spec.gradient_checkpointing:
-        target = model.backbone if isinstance(model, ValueHeadModel) else model
+        target = model.backbone if isinstance(model, ValueHeadModel) else model.model if isinstance(model, ScalarHeadModel) else model
         # non-reentrant: works with frozen inputs (no enable_input_require_grads hack) and FSDP2
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return LoadedModel(model=model, hf_config=hf_config, is_vision_language=vision_language)

@@ -33,6 +33,7 @@ from easyvlm.plan.specs import (
     ModelSpec,
     PolicyLossSpec,
     RefSpec,
+    RewardModelSpec,
     RolloutSpec,
     TokenIds,
     UpdateSpec,
@@ -57,6 +58,8 @@ class RunPlan:
     """Multi-turn rollouts with tools or an environment; None = one turn."""
     reward: Any
     """``easyvlm.rewards.manager.RewardSettings``."""
+    reward_model: Optional[RewardModelSpec]
+    """``worker.reward_model``; None = off."""
     notices: tuple[str, ...]
     """Valid settings that do something the user may not expect; printed at start."""
 
@@ -91,6 +94,8 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     )
     actor = r(cfg.worker.actor, model=model(cfg.worker.actor.model), loss_type=spec(cfg.worker.actor.loss_type))
     critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
+    reward_model = cfg.worker.reward_model
+    reward_model = r(reward_model, model=r(reward_model.model, model_path=_abs_if_local(reward_model.model.model_path)))
     data = r(
         cfg.data,
         train_files=_abs_if_local(cfg.data.train_files),
@@ -109,7 +114,7 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
         cfg,
         data=data,
         algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
-        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, rollout=rollout),
+        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, reward_model=reward_model, rollout=rollout),
         trainer=trainer,
     )
 
@@ -341,6 +346,7 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         rollout=rollout_spec(cfg, derived, bundle, device),
         agent=agent_spec(cfg, bundle),
         reward=reward,
+        reward_model=reward_model_spec(cfg, bundle),
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
     )
 
@@ -377,6 +383,44 @@ def agent_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AgentSpec]:
         tools=tuple(r.tools), tool_schemas=schemas, environment=r.environment, max_turns=r.max_turns,
         max_tokens_per_turn=r.max_tokens_per_turn, tool_timeout=r.tool_timeout,
     )
+
+
+def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardModelSpec]:
+    """The reward model's slice, its files checked here: a scalar sequence classifier that reads the
+    policy's token ids (it scores the policy's prompt + response tokens as they are)."""
+    from transformers import AutoTokenizer
+
+    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.reward_model import reward_model_problem
+
+    rm = cfg.worker.reward_model
+    if not rm.enable:
+        return None
+    key = "worker.reward_model.model"
+    assert rm.model.model_path, "validate() requires the reward model's path"
+    files = ModelConfig(model_path=rm.model.model_path, override_config=dict(rm.model.override_config),
+                        trust_remote_code=rm.model.trust_remote_code, attn_implementation=rm.model.attn_implementation,
+                        enable_gradient_checkpointing=False)
+    model = model_spec(files, resolve_model_path(rm.model.model_path), trainable_lora=False, key=key)
+    problem = reward_model_problem(model.hf_config, f"{key}.model_path ({model.model_dir})")
+    if problem is None:
+        try:
+            same = AutoTokenizer.from_pretrained(model.model_dir, trust_remote_code=rm.model.trust_remote_code).get_vocab() \
+                == bundle.tokenizer.get_vocab()
+        except (OSError, ValueError):
+            same = True  # no tokenizer files: the vocabulary size check below still holds
+        policy_text, rm_text = bundle.policy.hf_config.get_text_config(), model.hf_config.get_text_config()
+        if not same or policy_text.vocab_size != rm_text.vocab_size:
+            problem = (f"{key}.model_path ({model.model_dir}) has another tokenizer than the policy; the reward model "
+                       "scores the policy's token ids as they are, so it must share the policy's tokenizer "
+                       "(train it from the policy's family with `python -m easyvlm.rm`)")
+    if problem is not None:
+        raise ConfigError([Problem(f"{key}.model_path", problem)])
+    forward = ForwardSpec(
+        padding_free=rm.padding_free, share_prompts=True, temperature=1.0, blocked_token_ids=(), use_torch_compile=False,
+        ulysses_size=1, experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
+    )
+    return RewardModelSpec(model=model, fsdp=rm.fsdp, forward=forward, normalize=rm.normalize)
 
 
 def reward_settings(cfg: PPOConfig) -> Any:

@@ -267,6 +267,18 @@ class AgentSpec:
     tool_timeout: float
 
 
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """The reward model of ``worker.reward_model``: frozen, scoring each sequence at its last token."""
+
+    model: ModelSpec
+    """``hf_config`` is a scalar sequence-classification config (checked in the driver)."""
+    fsdp: FSDPConfig
+    forward: ForwardSpec
+    normalize: str
+    """``none`` or ``running`` (applied in the driver, which keeps the running statistics)."""
+
+
 def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:
     """``spec`` with its update's schedule length set (known once the training data is loaded)."""
     return dataclasses.replace(spec, update=dataclasses.replace(spec.update, total_steps=total_steps))

@@ -43,12 +43,15 @@ def create_reward_actor(settings: RewardSettings, num_cpus: int, name: str | Non
     return ray.remote(RewardActor).options(**options).remote(settings)
 
 
-def build_reward_inputs(batch: Batch, tokenizer: Any, skip_special_tokens: bool = True) -> list[RewardInput]:
+def build_reward_inputs(
+    batch: Batch, tokenizer: Any, skip_special_tokens: bool = True,
+    reward_model_scores: tuple[list[float], list[float]] | None = None,
+) -> list[RewardInput]:
     """One RewardInput per sample of a rollout Batch.
 
     Needs tensors ``responses`` (B, T) and ``response_mask`` (B, T) bool, and objects
     ``ground_truth``; uses the objects ``prompt_text``, ``images``, ``original_image_sizes`` and
-    ``extra`` when present. The response text is the decoded tokens that ``response_mask`` selects
+    ``extra`` when present. ``reward_model_scores``: (scores, raw scores) of ``worker.reward_model``. The response text is the decoded tokens that ``response_mask`` selects
     (EOS included, then dropped by ``skip_special_tokens``); ``response_length`` is their count.
     """
     batch.require("responses", "response_mask", "ground_truth")
@@ -61,6 +64,7 @@ def build_reward_inputs(batch: Batch, tokenizer: Any, skip_special_tokens: bool 
     sizes = batch.get("original_image_sizes", [None] * n)
     extra = batch.get("extra", [None] * n)
     trajectories = batch.get("trajectory", [None] * n)  # multi-turn runs (easyvlm.agents.loop)
+    rm_scores, rm_raw = reward_model_scores if reward_model_scores is not None else ([None] * n, [None] * n)
     return [
         RewardInput(
             response=texts[i] if trajectories[i] is None else _last_model_turn(trajectories[i]),
@@ -71,6 +75,8 @@ def build_reward_inputs(batch: Batch, tokenizer: Any, skip_special_tokens: bool 
             original_image_sizes=None if sizes[i] is None else [tuple(s) for s in sizes[i]],
             extra=dict(extra[i] or {}),
             trajectory=trajectories[i],
+            reward_model_score=rm_scores[i],
+            reward_model_raw_score=rm_raw[i],
         )
         for i in range(n)
     ]

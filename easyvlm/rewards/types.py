@@ -14,6 +14,8 @@ from typing import Any
 STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "images", "original_image_sizes", "extra")
 # The keys a multi-turn run (worker.rollout.tools / environment) adds; single-turn inputs do not have them.
 MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward")
+# The keys a run with worker.reward_model adds.
+REWARD_MODEL_KEYS = ("reward_model_score", "reward_model_raw_score")
 
 
 @dataclass
@@ -42,13 +44,19 @@ class RewardInput:
     original_image_sizes: list[tuple[int, int]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     trajectory: dict[str, Any] | None = None
+    reward_model_score: float | None = None
+    """``worker.reward_model`` runs only: its score of the sample (standardised with
+    ``normalize=running``), and the raw score."""
+    reward_model_raw_score: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The dict a reward function gets: the standard keys, plus each extra column by name (and
         the multi-turn keys in a multi-turn run)."""
-        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS and k not in MULTI_TURN_KEYS}
+        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS and k not in MULTI_TURN_KEYS and k not in REWARD_MODEL_KEYS}
         if self.trajectory is not None:
             out.update({k: self.trajectory[k] for k in MULTI_TURN_KEYS})
+        if self.reward_model_score is not None:
+            out.update(reward_model_score=self.reward_model_score, reward_model_raw_score=self.reward_model_raw_score)
         out.update(
             response=self.response,
             response_length=self.response_length,

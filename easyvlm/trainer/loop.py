@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from easyvlm.distributed.worker_group import Resources, WorkerGroup
 from easyvlm.plan.build import RunPlan
 from easyvlm.plan.specs import with_total_steps
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
+from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.rewards.types import RewardResult
 from easyvlm.rollout.base import Sampling
 from easyvlm.trainer import core
@@ -46,7 +48,7 @@ from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
 from easyvlm.viewer.records import RolloutCapture, capture_rollouts
 from easyvlm.viewer.writer import RolloutWriter
 from easyvlm.workers.actor import update_is_on_policy
-from easyvlm.workers.hybrid import CriticHost, HybridWorker
+from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost
 
 logger = logging.getLogger("easyvlm")
 
@@ -91,8 +93,11 @@ class Trainer:
         self.reward_actor = create_reward_actor(plan.reward, self.cfg.worker.reward.num_cpus)
         self.hybrid: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
-        # the critic's rank r shares rank r's device (and CPUs) with the hybrid worker
-        share = 0.5 if plan.critic is not None else 1.0
+        self.reward_model: WorkerGroup | None = None
+        self.reward_model_scores: RewardModelScores | None = None
+        self._reward_model_metrics: dict[str, float] = {}  # the step's, merged into its metrics
+        # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
+        share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
         actor = with_total_steps(plan.actor, self.total_steps)
         try:
             self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, plan.rollout), share=share)
@@ -103,6 +108,14 @@ class Trainer:
             if plan.critic is not None:
                 critic = partial(CriticHost, with_total_steps(plan.critic, self.total_steps))
                 self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
+            if plan.reward_model is not None:
+                self.reward_model = WorkerGroup("reward_model", resources, partial(RewardModelHost, plan.reward_model),
+                                                pg=self.hybrid.pg, share=share)
+                group = self.reward_model
+                self.reward_model_scores = RewardModelScores(
+                    lambda batch: group.dispatch("compute_scores", batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)),
+                    plan.reward_model.normalize,
+                )
         except BaseException:
             self.shutdown()
             raise
@@ -219,6 +232,8 @@ class Trainer:
                 result = reward_ref if isinstance(reward_ref, RewardResult) else _concat_results(ray.get(reward_ref))
             assert len(result.overall) == len(batch), "one reward per sample"
             metrics.update(result.metrics)
+            metrics.update(self._reward_model_metrics)
+            self._reward_model_metrics = {}
             seq_rewards = torch.tensor(result.overall, dtype=torch.float32)
 
             # 3. rewards per token, KL in the reward, advantages (pure functions)
@@ -295,7 +310,7 @@ class Trainer:
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
             batch = self.rollout.generate(self._seeded(next(iterator), TRAIN_CALL, self.global_step, rounds - 1))
-            reward_ref = self.reward_actor.compute.remote(self._reward_inputs(batch))
+            reward_ref = self.reward_actor.compute.remote(self._reward_inputs(batch, training=True))
             if not algo.online_filtering:  # every group is kept (rounds divide the step: validate)
                 kept.append(batch)
                 results.append(reward_ref)
@@ -321,8 +336,20 @@ class Trainer:
             return batch, _concat_results(results)
         return batch, results  # refs: collected after the log-prob passes
 
-    def _reward_inputs(self, batch: Batch) -> list:
-        return build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens)
+    def _reward_inputs(self, batch: Batch, training: bool = False) -> list:
+        """The reward functions' inputs; with ``worker.reward_model``, its scores first (``training``:
+        the step's own samples, which update the running statistics and are logged)."""
+        scores = None
+        if self.reward_model_scores is not None:
+            start = time.perf_counter()
+            scores, raw, rm_metrics = self.reward_model_scores.score(batch, training)
+            if training:
+                for key, value in rm_metrics.items():  # several generation rounds: the last round's
+                    self._reward_model_metrics[key] = value
+                self._reward_model_metrics["timing_s/reward_model"] = (
+                    self._reward_model_metrics.get("timing_s/reward_model", 0.0) + time.perf_counter() - start)
+            scores = (scores, raw)
+        return build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens, scores)
 
     def _seeded(self, prompts: Batch, *call: int) -> Batch:
         """``prompts`` seeded for one generation call when worker.rollout.per_request_seed is on."""
@@ -390,6 +417,7 @@ class Trainer:
                 "dataloader": self.train_loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
                 "rng": rng_state(),
+                **({"reward_model_scores": self.reward_model_scores.state_dict()} if self.reward_model_scores else {}),
             },
             path / "trainer_state.pt",
         )
@@ -407,6 +435,8 @@ class Trainer:
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.reward_model_scores is not None and "reward_model_scores" in state:
+            self.reward_model_scores.load_state_dict(state["reward_model_scores"])
         set_rng_state(state["rng"])
 
     def export_hf(self, path: str) -> None:
@@ -415,10 +445,10 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop this run's Ray actors and free their resources. Ray itself stays up, so a process
         can run one trainer after another (the end-to-end tests do)."""
-        for group in (self.critic, self.hybrid):
+        for group in (self.reward_model, self.critic, self.hybrid):
             if group is not None:
                 group.shutdown()
-        self.critic = self.hybrid = None
+        self.reward_model = self.critic = self.hybrid = None
         ray.kill(self.reward_actor)
 
 

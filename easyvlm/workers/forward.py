@@ -241,6 +241,7 @@ def response_outputs(
     *,
     lm_head: bool = True,
     per_token: PerToken | None = None,
+    at_last_token: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Model outputs at the positions predicting the valid response tokens.
 
@@ -255,6 +256,9 @@ def response_outputs(
     the same ``batch``; each applies ``per_token`` to the positions in its slice of the row, and the
     (K, M) results are summed over the group (differentiably). Reduce with ``per_token`` (log-probs,
     not (K, V) logits) before the results cross ranks.
+    ``at_last_token`` (no LM head: a reward model's score): instead, the output at each row's last
+    attended token (the response's last, EOS included; the prompt's last for an empty response);
+    K = B and ``valid`` is (B, 1), all True.
     """
     device, padding_free, ulysses = setup.device, setup.padding_free, setup.ulysses
     input_ids = batch["input_ids"].to(device)
@@ -269,6 +273,12 @@ def response_outputs(
         role = _role_key(lm_head)
         raise ValueError(f"sequence parallelism ({role}.ulysses_size > 1) needs {role}.padding_free=true")
     valid = response_valid_mask(attention_mask, T)  # (B, T)
+    rows = torch.arange(B, device=device)
+    last = None
+    if at_last_token:
+        assert not lm_head, "at_last_token reads a scalar head's outputs"
+        last = (attention_mask.long() * torch.arange(L, device=device)).argmax(-1)  # (B,) last attended column
+        valid = torch.ones(B, 1, dtype=torch.bool, device=device)
     items = list(batch.get(MULTI_MODAL_KEY) or [])
     sources = None
     if padding_free and setup.share_prompts and B > 1:
@@ -288,7 +298,10 @@ def response_outputs(
             input_ids, attention_mask, position_ids, prompt_length=P,
             prompt_source=None if sources is None else sources.to(device),
         )
-        index = packed.padded_to_packed[:, P - 1 : L - 1][valid]  # (K,) packed positions
+        if last is None:
+            index = packed.padded_to_packed[:, P - 1 : L - 1][valid]  # (K,) packed positions
+        else:
+            index = packed.padded_to_packed[rows, last]  # (B,)
         if ulysses is not None:
             return _ulysses_outputs(model, packed, index, extra, lm_head, ulysses, per_token), valid
         if lm_head:
@@ -301,7 +314,7 @@ def response_outputs(
         # transformers' mRoPE models take the rows first: (B, R, L) -> (R, B, L)
         model_position_ids = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_position_ids, **extra).logits
-        out = out[:, -(T + 1) : -1][valid]  # (K, C)
+        out = out[:, -(T + 1) : -1][valid] if last is None else out[rows, last]  # (K, C)
     if per_token is None:
         return out, valid
     return per_token(out, torch.arange(out.shape[0], device=out.device)), valid
@@ -445,13 +458,16 @@ def outputs_with_vision(
     *,
     lm_head: bool = True,
     per_token: PerToken | None = None,
+    at_last_token: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """:func:`response_outputs`, after adding ``setup.dummy_image``'s image and video to a micro-batch
     without images or videos (vision-language models: every rank runs the vision tower as often). Returns ((K, M), valid (B, T))."""
     B = len(batch)
     if setup.dummy_image is not None:
         batch = with_dummy_image(batch, setup.dummy_image)
-    out, valid = response_outputs(model, batch, setup, lm_head=lm_head, per_token=per_token)
+    out, valid = response_outputs(model, batch, setup, lm_head=lm_head, per_token=per_token, at_last_token=at_last_token)
+    if at_last_token:
+        out = out[:B]  # the dummy row (appended last) has an output too
     return out, valid[:B]
 
 

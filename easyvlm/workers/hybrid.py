@@ -15,7 +15,7 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import new_ulysses_group
-from easyvlm.plan.specs import ActorSpec, CriticSpec, RefSpec, RolloutSpec
+from easyvlm.plan.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec, RolloutSpec
 from easyvlm.rollout.base import Sampling
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.workers.actor import ActorWorker
@@ -112,3 +112,16 @@ class CriticHost:
 
     def load_checkpoint(self, path: str) -> None:
         self.critic.load_checkpoint(f"{path}/critic")
+
+
+class RewardModelHost:
+    """The reward model of one rank (``worker.reward_model``), built in its own process group."""
+
+    def __init__(self, spec: RewardModelSpec):
+        from easyvlm.workers.reward_model import RewardModelWorker
+
+        self.rank, self.world_size = init_distributed()
+        self.worker = RewardModelWorker(spec, rank=self.rank, world_size=self.world_size)
+
+    def compute_scores(self, batch: Batch) -> Batch:
+        return self.worker.compute_scores(batch)

@@ -54,6 +54,11 @@ FILTER = f"{LOOP}::test_online_filtering_keeps_the_groups_in_range"
 KL_LOOP = f"{LOOP}::test_adaptive_kl_controller_follows_the_step_kl"
 KL_CONTROLLER = f"{KL}::test_adaptive_controller_follows_ziegler_update"
 E2E = "tests/trainer/test_e2e.py::TestEstimators::test_trains_two_steps"  # every estimator and loss trains 2 steps (slow)
+RM_WORKER = "tests/workers/test_reward_model_worker.py"
+RM_PLAN = f"{RM_WORKER}::test_keys_reach_the_reward_model_spec"
+RM_EQUAL = f"{RM_WORKER}::test_worker_scores_equal_transformers_forward"
+RM_CHECKS = f"{RM_WORKER}::test_reward_model_keys_are_checked"
+RM_E2E = "tests/trainer/test_e2e_reward_model.py::TestRewardModelRuns::test_trains_on_the_reward_model_score"
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,12 @@ def gap(key: str, why: str, *context: str) -> tuple[str, Entry]:
     return key, Gap(why, context)
 
 
-def _fsdp(role: str) -> list[tuple[str, Entry]]:
+def _fsdp(role: str, plan: str = "") -> list[tuple[str, Entry]]:
     """The FSDP keys of a role: the plan carries the role's FSDPConfig as is (``<role>.fsdp``), and
-    tests/workers/test_fsdp.py shows what each field does (fsdp_plan, apply_fsdp, model_dtype)."""
+    tests/workers/test_fsdp.py shows what each field does (fsdp_plan, apply_fsdp, model_dtype).
+    ``plan``: the test that shows the keys reaching the role's spec (default: PLAN)."""
     p = f"worker.{role}.fsdp"
+    PLAN = plan or globals()["PLAN"]  # noqa: N806 (the rows below read as the other roles')
     return [
         effects(f"{p}.enable_full_shard", PLAN, f"{FSDP}::test_cuda_plan_takes_every_precision_key"),
         effects(f"{p}.enable_cpu_offload", PLAN, f"{FSDP}::test_cuda_cpu_offload_is_fsdp2s_policy"),
@@ -302,6 +309,19 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.reward.timeout", PLAN, f"{REWARDS}::test_timeout_kills_the_call_and_the_manager_recovers"),
     effects("worker.reward.on_error", PLAN, f"{REWARDS}::test_on_error_zero_sequential_counts_failures"),
     effects("worker.reward.num_workers", PLAN, f"{REWARDS}::test_sequential_keeps_sample_order_over_two_workers"),
+    # the reward model (issue 20): RM_PLAN shows each key reaching RewardModelSpec, the worker test
+    # what the spec does against transformers' forward; every key is refused while enable is false
+    effects("worker.reward_model.enable", RM_PLAN, RM_CHECKS),
+    effects("worker.reward_model.model.model_path", RM_PLAN, f"{RM_WORKER}::test_a_policy_checkpoint_is_refused"),
+    effects("worker.reward_model.model.override_config", RM_PLAN),
+    effects("worker.reward_model.model.trust_remote_code", RM_PLAN),
+    effects("worker.reward_model.model.attn_implementation", RM_PLAN),
+    effects("worker.reward_model.micro_batch_size_per_device", RM_PLAN, RM_EQUAL, RM_CHECKS),
+    effects("worker.reward_model.padding_free", RM_PLAN, RM_EQUAL),
+    effects("worker.reward_model.normalize", RM_PLAN, RM_E2E,
+            "tests/rewards/test_model_scores.py::test_training_scores_update_the_statistics_validation_reads_them",
+            via=("running",)),
+    *_fsdp("reward_model", plan=RM_PLAN),
     effects("worker.reward.reward_functions", f"{BUILD}::test_reward_functions_list", f"{REWARDS}::test_weighted_combination_and_key_names",
             via=("RewardFunctionSpec",)),  # each item becomes one
     # rollout: sampling keys reach the plan's Sampling, engine keys its EngineSpec (then vllm.LLM: GPU_ENGINE)

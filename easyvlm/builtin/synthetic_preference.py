@@ -1,0 +1,91 @@
+"""``builtin:synthetic-preference@<split>`` (the default mix of questions: colour, shape, count) and
+``builtin:synthetic-colour-preference@<split>`` (colour questions, the demo's RL task): preference
+pairs on the synthetic task, for reward-model training (``python -m easyvlm.rm``) offline.
+
+Each row is one synthetic question with a response the rule
+reward (reward_functions/synthetic.py) scores right, ``chosen``, and one it scores wrong,
+``rejected``, so a reward model that ranks the pairs well has learnt the task's answers:
+
+- chosen: the answer, one word as the synthetic policy writes it (``red``);
+- rejected: another option of the question (70%, e.g. ``blue``), an answer of another task (15%,
+  e.g. ``circle`` to a colour question), or the right word twice (15%, ``red red``: the rule
+  reward wants one word).
+
+Responses are words the built-in tokenizer has as single tokens: spelt-out variants (``Red.``) are
+character tokens to the tiny model, far harder for a 0.6 M-parameter reward model to read.
+
+The pairs follow the synthetic splits (an image and question of the test split is in no train
+pair), and each split draws its responses from its own seed. Row format, as ``python -m
+easyvlm.rm`` reads it: ``{"prompt": "<image>What colour is the shape?", "images": [...], "chosen":
+"red", "rejected": "blue", "task": "colour", "answer": "red"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from easyvlm.builtin.synthetic import (
+    BUILTIN_DATASETS,
+    COUNTS,
+    PALETTE,
+    SHAPES,
+    SPLIT_SEEDS,
+    SyntheticDatasetError,
+    generate_rows,
+    png_bytes,
+    sized_cache_dir,
+)
+from easyvlm.utils.cache import build_once
+
+BUILD_VERSION = 2
+# name -> the synthetic data set whose questions it pairs (easyvlm.builtin.synthetic.BUILTIN_DATASETS)
+DATASETS = {"synthetic-preference": "synthetic", "synthetic-colour-preference": "synthetic-colour"}
+DEFAULT_SIZES = {"train": 2000, "val": 256, "test": 256}
+_ALL_ANSWERS = (*sorted(PALETTE), *SHAPES, *COUNTS)
+
+
+def preference_pair(answer: str, options: list[str], rng: random.Random) -> tuple[str, str]:
+    """(chosen, rejected) for a question whose right answer is ``answer`` among ``options``."""
+    chosen = answer
+    kind = rng.random()
+    if kind < 0.7:
+        rejected = rng.choice([o for o in options if o != answer])
+    elif kind < 0.85:
+        rejected = rng.choice([a for a in _ALL_ANSWERS if a not in options])
+    else:
+        rejected = f"{answer} {answer}"
+    return chosen, rejected
+
+
+def write_dataset(out_dir: Path, split: str, num_samples: int, questions: str = "synthetic") -> Path:
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / f"{split}.jsonl"
+    rng = random.Random(SPLIT_SEEDS[split] + 7919)  # the responses' own stream, per split
+    with open(jsonl, "w") as f:
+        for i, (image, row) in enumerate(generate_rows(split, num_samples, BUILTIN_DATASETS[questions].tasks)):
+            rel = f"images/{split}_{i:06d}.png"
+            (out_dir / rel).write_bytes(png_bytes(image))
+            chosen, rejected = preference_pair(row["answer"], row["options"], rng)
+            f.write(json.dumps({"prompt": row["problem"], "images": [rel], "chosen": chosen, "rejected": rejected,
+                                "task": row["task"], "answer": row["answer"]}) + "\n")
+    return jsonl
+
+
+def dataset_cache_dir(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-preference",
+                      num_samples: int | None = None) -> Path:
+    if name not in DATASETS:
+        raise SyntheticDatasetError(f"unknown built-in preference data set {name!r}; known: {list(DATASETS)}")
+    return sized_cache_dir(name, split, num_samples, DEFAULT_SIZES, BUILD_VERSION, cache_dir)
+
+
+def materialize_dataset(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-preference",
+                        num_samples: int | None = None) -> Path:
+    """The JSONL file of ``builtin:<name>@<split>``, generated once (atomically) and cached."""
+    target = dataset_cache_dir(split, cache_dir, name, num_samples)
+    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
+    build_once(target, lambda out: write_dataset(out, split, n, DATASETS[name]))
+    return target / f"{split}.jsonl"
