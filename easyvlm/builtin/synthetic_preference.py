@@ -7,9 +7,15 @@ reward (reward_functions/synthetic.py) scores right, ``chosen``, and one it scor
 ``rejected``, so a reward model that ranks the pairs well has learnt the task's answers:
 
 - chosen: the answer, one word as the synthetic policy writes it (``red``);
-- rejected: another option of the question (70%, e.g. ``blue``), an answer of another task (15%,
-  e.g. ``circle`` to a colour question), or the right word twice (15%, ``red red``: the rule
-  reward wants one word).
+- rejected: another option of the question (60%, e.g. ``blue``), an answer of another task (10%,
+  e.g. ``circle`` to a colour question), the right word twice (10%, ``red red``: the rule reward
+  wants one word), an empty response (10%: only the end-of-turn token) or one to three random
+  letters (10%).
+
+The last two are there because a reward model trained without them was gamed: GRPO on its score
+alone taught the policy to answer nothing, which that reward model had never seen and scored
+above most answers (raw score -3.4 -> +4.3 in 78 steps while the rule-checked accuracy fell from
+0.19 to 0.11; docs/benchmarks.md). A reward model is only as good as the responses it was shown.
 
 Responses are words the built-in tokenizer has as single tokens: spelt-out variants (``Red.``) are
 character tokens to the tiny model, far harder for a 0.6 M-parameter reward model to read.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import string
 from pathlib import Path
 
 from easyvlm.builtin.synthetic import (
@@ -40,7 +47,7 @@ from easyvlm.builtin.synthetic import (
 )
 from easyvlm.utils.cache import build_once
 
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 # name -> the synthetic data set whose questions it pairs (easyvlm.builtin.synthetic.BUILTIN_DATASETS)
 DATASETS = {"synthetic-preference": "synthetic", "synthetic-colour-preference": "synthetic-colour"}
 DEFAULT_SIZES = {"train": 2000, "val": 256, "test": 256}
@@ -51,12 +58,18 @@ def preference_pair(answer: str, options: list[str], rng: random.Random) -> tupl
     """(chosen, rejected) for a question whose right answer is ``answer`` among ``options``."""
     chosen = answer
     kind = rng.random()
-    if kind < 0.7:
+    if kind < 0.6:
         rejected = rng.choice([o for o in options if o != answer])
-    elif kind < 0.85:
+    elif kind < 0.7:
         rejected = rng.choice([a for a in _ALL_ANSWERS if a not in options])
-    else:
+    elif kind < 0.8:
         rejected = f"{answer} {answer}"
+    elif kind < 0.9:
+        rejected = ""
+    else:
+        rejected = answer
+        while rejected == answer:  # three random letters could spell "red"
+            rejected = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 3)))
     return chosen, rejected
 
 

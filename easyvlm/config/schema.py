@@ -448,6 +448,45 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    enable: bool = False
+    """easyvlm extra. Score every response with a generative judge: a VLM reads the template
+    below and writes a verdict, which `parser` turns into a score. It reaches reward functions as
+    `judge_score`; `reward_functions/judge.py:compute_score` returns it as the reward."""
+    model_path: Optional[str] = None
+    """The judge model (a generation model, like the policy's): a local directory, a hub id or a
+    `builtin:` model."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the judge model's repository."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """The judge's generation engine (greedy)."""
+    template: Optional[str] = None
+    """Jinja file of the judge's prompt, with `question` (the row's prompt, `<image>` placeholders:
+    the sample's images), `response`, `ground_truth`, `num_images`; e.g.
+    format_prompts/judge.jinja."""
+    parser: Optional[str] = None
+    """`path/to/file.py:func` turning the verdict into a score: `func(verdict: str, sample: dict)
+    -> float`; raise for a verdict that does not parse (e.g. reward_functions/judge.py:parse_yes_no)."""
+    max_tokens: int = 16
+    """Verdict tokens."""
+    max_prompt_length: int = 1024
+    """Judge prompt tokens (images included); longer prompts fail as a judge error."""
+    min_pixels: Optional[int] = None
+    """Pixel limits of the judge's images; None = the judge processor's own."""
+    max_pixels: Optional[int] = None
+    """See `min_pixels`."""
+    num_workers: int = 1
+    """Judge engines (Ray actors, one CPU or GPU each); the step's samples are split over them."""
+    timeout: float = 300.0
+    """Seconds one engine may take for its share of a step."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """A verdict that does not parse, or a timeout: `raise` stops with the sample; `zero` scores it
+    0 and counts it (judge/parse_failures, judge/timeouts)."""
+    cache_size: int = 10000
+    """Verdicts remembered (by judge prompt, images and response); 0 = no cache."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["vllm", "hf"] = "vllm"
     """Generation engine: vllm, or hf (transformers' generate: slow, for comparison and
@@ -532,6 +571,8 @@ class WorkerConfig:
     """The reward function(s)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """easyvlm extra. A trained reward model whose score the reward functions can use."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """easyvlm extra. A generative judge whose parsed verdict the reward functions can use."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Generation."""
 

@@ -25,7 +25,6 @@ from easyvlm.config.schema import (
     GROUP_ADV_ESTIMATORS,
     POLICY_LOSSES,
     PPOConfig,
-    RewardModelConfig,
     RolloutConfig,
 )
 from easyvlm.agents.tools import SHIPPED_TOOLS
@@ -70,6 +69,7 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
         _check_critic(c)
     _check_reward(c)
     _check_reward_model(c)
+    _check_judge(c)
     _check_rollout(c)
     _check_trainer(c)
     _check_fsdp(c, "worker.ref.fsdp")
@@ -458,26 +458,55 @@ def _check_reward(c: _Checks) -> None:
 
 
 def _check_reward_model(c: _Checks) -> None:
-    rm = c.cfg.worker.reward_model
     p = "worker.reward_model"
-    specs = [c.cfg.worker.reward.reward_function] + [f.reward_function for f in c.cfg.worker.reward.reward_functions]
-    uses_score = [s for s in specs if s and Path(s.partition(":")[0]).name == "reward_model.py"]
-    if not rm.enable:
-        keys = all_keys(RewardModelConfig)
-        leaves = [k for k in keys if k != "enable" and not any(o.startswith(k + ".") for o in keys)]
-        changed = [k for k in leaves if _differs(rm, RewardModelConfig(), k)]
-        if changed:
-            c.add(f"{p}.{changed[0]}", f"is set but {p}.enable is false, so no reward model runs; set {p}.enable=true "
-                  f"(or remove the {p} keys)")
-        if uses_score:
-            c.add(f"{p}.enable", f"is false, but the reward function {uses_score[0]} returns the reward model's score; "
-                  f"set {p}.enable=true and {p}.model.model_path")
+    rm = c.cfg.worker.reward_model
+    if not _check_optional_source(c, p, "reward_model.py", "reward model", "the reward model's score",
+                                  f"{p}.model.model_path"):
         return
     if not rm.model.model_path:
         c.add(f"{p}.model.model_path", "is unset: give the huggingface/ directory that `python -m easyvlm.rm` exports "
               "(or another scalar sequence-classification model)")
     c.positive(f"{p}.micro_batch_size_per_device")
     _check_fsdp(c, f"{p}.fsdp")
+
+
+def _check_judge(c: _Checks) -> None:
+    p = "worker.judge"
+    j = c.cfg.worker.judge
+    if not _check_optional_source(c, p, "judge.py", "judge", "the judge's score", f"{p}.model_path, template and parser"):
+        return
+    for key, example in (("model_path", "builtin:tiny-qwen2.5-vl or a model directory"),
+                         ("template", "format_prompts/judge.jinja"), ("parser", "reward_functions/judge.py:parse_yes_no")):
+        if not getattr(j, key):
+            c.add(f"{p}.{key}", f"is unset: give {example}")
+    if j.parser:
+        _check_spec(c, f"{p}.parser", j.parser)
+    for key in ("max_tokens", "max_prompt_length", "num_workers", "timeout", "min_pixels", "max_pixels"):
+        c.positive(f"{p}.{key}")
+    c.at_least(f"{p}.cache_size", 0)
+    if j.min_pixels and j.max_pixels and j.min_pixels > j.max_pixels:
+        c.add(f"{p}.min_pixels", f"must be <= {p}.max_pixels ({j.max_pixels}), got {j.min_pixels}")
+
+
+def _check_optional_source(c: _Checks, p: str, reward_file: str, what: str, score: str, needs: str) -> bool:
+    """Section ``p`` (``enable`` plus settings) of a score source that the shipped ``reward_file``
+    returns. Off: every other key of the section and that reward file are refused (they would act
+    nowhere). Returns whether the source is on (then its own checks run)."""
+    section = c.get(p)
+    if section.enable:
+        return True
+    keys = all_keys(type(section))
+    leaves = [k for k in keys if k != "enable" and not any(o.startswith(k + ".") for o in keys)]
+    changed = [k for k in leaves if _differs(section, type(section)(), k)]
+    if changed:
+        c.add(f"{p}.{changed[0]}", f"is set but {p}.enable is false, so no {what} runs; "
+              f"set {p}.enable=true (or remove the {p} keys)")
+    specs = [c.cfg.worker.reward.reward_function] + [f.reward_function for f in c.cfg.worker.reward.reward_functions]
+    users = [s for s in specs if s and Path(s.partition(":")[0]).name == reward_file]
+    if users:
+        c.add(f"{p}.enable", f"is false, but the reward function {users[0]} returns {score}; set {p}.enable=true "
+              f"and {needs}")
+    return False
 
 
 def _differs(obj: Any, default: Any, dotted: str) -> bool:
@@ -720,6 +749,13 @@ def _check_files(c: _Checks) -> None:
                 must_exist(key, path, "data file or directory")
     must_exist("data.format_prompt", cfg.data.format_prompt, "format prompt file")
     must_exist("data.image_dir", cfg.data.image_dir, "image directory", is_dir=True)
+    judge = cfg.worker.judge
+    if judge.enable:
+        must_exist("worker.judge.template", judge.template, "judge template file")
+        if judge.model_path and not judge.model_path.startswith("builtin:") and _looks_local(judge.model_path):
+            must_exist("worker.judge.model_path", judge.model_path, "model directory", is_dir=True)
+        if judge.parser and is_plugin_spec(judge.parser):
+            must_exist("worker.judge.parser", judge.parser.partition(":")[0], "file")
     rm_path = cfg.worker.reward_model.model.model_path
     if cfg.worker.reward_model.enable and rm_path and not rm_path.startswith("builtin:") and _looks_local(rm_path):
         must_exist("worker.reward_model.model.model_path", rm_path, "model directory", is_dir=True)

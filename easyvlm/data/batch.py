@@ -45,7 +45,7 @@ PROMPT_KEYS = (*PROMPT_TENSOR_KEYS, "raw_prompt_ids")
 # The per-sample objects of a prompt batch (data/collate.py).
 PROMPT_OBJECT_KEYS = (
     "raw_prompt_ids", "images", "original_image_sizes", "videos", "multi_modal_inputs", "ground_truth", "uid",
-    "prompt_text", "extra",
+    "prompt_text", "question", "extra",
 )
 # Optional object key of a prompt Batch when the run has tools: per sample, a loader of the row's
 # images at full resolution (easyvlm.data.images.LazyImages) for tools such as image_zoom.

@@ -447,6 +447,7 @@ class RLDataset(torch.utils.data.Dataset):
             "ground_truth": row[self.encoder.answer_key],
             "uid": f"{self.name}-{uid_number}",
             "prompt_text": enc.prompt_text,
+            "question": row[self.encoder.prompt_key],  # as the row has it (<image> placeholders): for a judge
             "extra": {k: v for k, v in row.items() if k not in reserved},
         }
         if self.encoder.tools:  # tools may zoom into the full-resolution images

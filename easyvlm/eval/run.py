@@ -65,6 +65,11 @@ def prepare(argv: Sequence[str]) -> tuple[Any, int, Path]:
 
     argv = [*argv, "trainer.val_only=true"]
     cfg = parse_and_validate(argv)
+    model_scored = [f"worker.{name}.enable" for name in ("reward_model", "judge") if getattr(cfg.worker, name).enable]
+    if model_scored:  # both run in Ray worker groups the evaluation does not start
+        exit_with_problems([Problem(model_scored[0], "is true, but `python -m easyvlm.eval` scores with rule rewards only "
+                                    "(no reward model or judge yet); evaluate with a rule reward (e.g. the rule reward "
+                                    "you logged with weight 0) and set it false")])
     found = checkpoint_model(cfg.worker.actor.model.model_path)
     step, out_dir = 0, None
     if found is not None:

@@ -32,6 +32,7 @@ from easyvlm.plan.specs import (
     ModelBundle,
     ModelSpec,
     PolicyLossSpec,
+    JudgeSpec,
     RefSpec,
     RewardModelSpec,
     RolloutSpec,
@@ -60,6 +61,8 @@ class RunPlan:
     """``easyvlm.rewards.manager.RewardSettings``."""
     reward_model: Optional[RewardModelSpec]
     """``worker.reward_model``; None = off."""
+    judge: Optional[JudgeSpec]
+    """``worker.judge``; None = off."""
     notices: tuple[str, ...]
     """Valid settings that do something the user may not expect; printed at start."""
 
@@ -96,6 +99,9 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
     reward_model = cfg.worker.reward_model
     reward_model = r(reward_model, model=r(reward_model.model, model_path=_abs_if_local(reward_model.model.model_path)))
+    judge = cfg.worker.judge
+    judge = r(judge, model_path=_abs_if_local(judge.model_path), template=_abs_if_local(judge.template),
+              parser=spec(judge.parser) if judge.parser else judge.parser)
     data = r(
         cfg.data,
         train_files=_abs_if_local(cfg.data.train_files),
@@ -114,7 +120,8 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
         cfg,
         data=data,
         algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
-        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, reward_model=reward_model, rollout=rollout),
+        worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, reward_model=reward_model, judge=judge,
+                 rollout=rollout),
         trainer=trainer,
     )
 
@@ -335,6 +342,7 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
     problems = model_problems(cfg, bundle.policy.hf_config, device)
     if problems:
         raise ConfigError(problems)
+    rollout = rollout_spec(cfg, derived, bundle, device)
     return RunPlan(
         config=cfg,
         derived=derived,
@@ -343,10 +351,11 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         actor=actor_spec(cfg, derived, bundle),
         ref=ref_spec(cfg, bundle) if derived.use_reference else None,
         critic=critic_spec(cfg, derived, bundle) if derived.use_critic else None,
-        rollout=rollout_spec(cfg, derived, bundle, device),
+        rollout=rollout,
         agent=agent_spec(cfg, bundle),
         reward=reward,
         reward_model=reward_model_spec(cfg, bundle),
+        judge=judge_spec(cfg, rollout),
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
     )
 
@@ -421,6 +430,44 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
         ulysses_size=1, experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
     )
     return RewardModelSpec(model=model, fsdp=rm.fsdp, forward=forward, normalize=rm.normalize)
+
+
+def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpec]:
+    """The judge's slice: its files loaded here (model config, tokenizer, processor), its template
+    compiled and its parser loaded, so that a broken one is a config error before anything starts."""
+    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.images import vllm_mm_processor_kwargs
+    from easyvlm.rewards.judge import load_template
+    from easyvlm.rollout.base import Sampling
+    from easyvlm.utils.plugins import PluginError, load_plugin
+
+    j = cfg.worker.judge
+    if not j.enable:
+        return None
+    assert j.model_path and j.template and j.parser, "validate() requires the judge's model, template and parser"
+    bundle = load_bundle(ModelConfig(model_path=j.model_path, trust_remote_code=j.trust_remote_code), key="worker.judge")
+    try:
+        load_template(j.template)
+    except Exception as err:  # jinja2.TemplateSyntaxError, OSError
+        raise ConfigError([Problem("worker.judge.template", f"{j.template}: {type(err).__name__}: {err}")]) from err
+    try:
+        load_plugin(j.parser)
+    except PluginError as err:
+        raise ConfigError([Problem("worker.judge.parser", str(err))]) from err
+    sampling = Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=j.max_tokens, ignore_eos=False)
+    engine = dataclasses.replace(
+        policy_rollout.engine, name=j.engine, model_dir=bundle.policy.model_dir, hf_config=bundle.policy.hf_config,
+        hf_config_overrides={}, tokenizer_dir=bundle.tokenizer_dir, trust_remote_code=j.trust_remote_code,
+        max_model_len=j.max_prompt_length + j.max_tokens, mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),
+        tensor_parallel_size=1,
+    )
+    rollout = RolloutSpec(engine=engine, sampling=sampling, val_sampling=sampling, response_length=j.max_tokens,
+                          tokens=bundle.tokens, per_request_seed=False)
+    data = DataConfig(prompt_key="prompt", answer_key="answer", image_key="images", max_prompt_length=j.max_prompt_length,
+                      min_pixels=j.min_pixels, max_pixels=j.max_pixels, prompt_truncation="error")
+    return JudgeSpec(rollout=rollout, data=data, tokenizer=bundle.tokenizer, processor=bundle.processor,
+                     template=j.template, parser=j.parser, num_workers=j.num_workers, timeout=j.timeout,
+                     on_error=j.on_error, cache_size=j.cache_size)
 
 
 def reward_settings(cfg: PPOConfig) -> Any:

@@ -279,6 +279,26 @@ class RewardModelSpec:
     """``none`` or ``running`` (applied in the driver, which keeps the running statistics)."""
 
 
+@dataclass(frozen=True)
+class JudgeSpec:
+    """The generative judge of ``worker.judge`` (easyvlm.rewards.judge)."""
+
+    rollout: RolloutSpec
+    """The judge's engine, greedy, ``max_tokens`` long."""
+    data: Any
+    """A DataConfig that encodes judge prompts (prompt_key ``prompt``, the judge's pixel limits)."""
+    tokenizer: Any
+    processor: Any
+    template: str
+    """Absolute path of the Jinja template."""
+    parser: str
+    """Resolved ``/abs/file.py:func``."""
+    num_workers: int
+    timeout: float
+    on_error: str
+    cache_size: int
+
+
 def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:
     """``spec`` with its update's schedule length set (known once the training data is loaded)."""
     return dataclasses.replace(spec, update=dataclasses.replace(spec.update, total_steps=total_steps))

@@ -65,6 +65,7 @@ def build_reward_inputs(
     extra = batch.get("extra", [None] * n)
     trajectories = batch.get("trajectory", [None] * n)  # multi-turn runs (easyvlm.agents.loop)
     rm_scores, rm_raw = reward_model_scores if reward_model_scores is not None else ([None] * n, [None] * n)
+    questions = batch.get("question", [""] * n)
     return [
         RewardInput(
             response=texts[i] if trajectories[i] is None else _last_model_turn(trajectories[i]),
@@ -77,6 +78,7 @@ def build_reward_inputs(
             trajectory=trajectories[i],
             reward_model_score=rm_scores[i],
             reward_model_raw_score=rm_raw[i],
+            question=questions[i] or "",
         )
         for i in range(n)
     ]

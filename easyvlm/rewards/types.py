@@ -14,8 +14,8 @@ from typing import Any
 STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "images", "original_image_sizes", "extra")
 # The keys a multi-turn run (worker.rollout.tools / environment) adds; single-turn inputs do not have them.
 MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward")
-# The keys a run with worker.reward_model adds.
-REWARD_MODEL_KEYS = ("reward_model_score", "reward_model_raw_score")
+# The keys a run with worker.reward_model or worker.judge adds.
+REWARD_MODEL_KEYS = ("reward_model_score", "reward_model_raw_score", "judge_score")
 
 
 @dataclass
@@ -48,6 +48,11 @@ class RewardInput:
     """``worker.reward_model`` runs only: its score of the sample (standardised with
     ``normalize=running``), and the raw score."""
     reward_model_raw_score: float | None = None
+    question: str = ""
+    """The row's prompt column as written (``<image>`` placeholders, no format prompt or chat
+    template): what a judge's template shows (not in the reward function's dict)."""
+    judge_score: float | None = None
+    """``worker.judge`` runs only: the judge's parsed verdict (None when it failed to parse)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The dict a reward function gets: the standard keys, plus each extra column by name (and
@@ -57,6 +62,8 @@ class RewardInput:
             out.update({k: self.trajectory[k] for k in MULTI_TURN_KEYS})
         if self.reward_model_score is not None:
             out.update(reward_model_score=self.reward_model_score, reward_model_raw_score=self.reward_model_raw_score)
+        if self.judge_score is not None:
+            out["judge_score"] = self.judge_score
         out.update(
             response=self.response,
             response_length=self.response_length,

@@ -28,6 +28,7 @@ from easyvlm.distributed.worker_group import Resources, WorkerGroup
 from easyvlm.plan.build import RunPlan
 from easyvlm.plan.specs import with_total_steps
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
+from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.rewards.types import RewardResult
 from easyvlm.rollout.base import Sampling
@@ -95,11 +96,14 @@ class Trainer:
         self.critic: WorkerGroup | None = None
         self.reward_model: WorkerGroup | None = None
         self.reward_model_scores: RewardModelScores | None = None
+        self.judge: Judge | None = None
         self._reward_model_metrics: dict[str, float] = {}  # the step's, merged into its metrics
         # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
         share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
         actor = with_total_steps(plan.actor, self.total_steps)
         try:
+            if plan.judge is not None:
+                self.judge = Judge(plan.judge)
             self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, plan.rollout), share=share)
             # every generation goes through here: one engine call, or the multi-turn loop with tools
             hybrid = self.hybrid
@@ -349,7 +353,15 @@ class Trainer:
                 self._reward_model_metrics["timing_s/reward_model"] = (
                     self._reward_model_metrics.get("timing_s/reward_model", 0.0) + time.perf_counter() - start)
             scores = (scores, raw)
-        return build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens, scores)
+        inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens, scores)
+        if self.judge is not None:
+            verdicts, judge_metrics = self.judge.score(inputs)
+            for item, value in zip(inputs, verdicts):
+                item.judge_score = value
+            if training:
+                for key, value in judge_metrics.items():  # several generation rounds: added up
+                    self._reward_model_metrics[key] = self._reward_model_metrics.get(key, 0.0) + value
+        return inputs
 
     def _seeded(self, prompts: Batch, *call: int) -> Batch:
         """``prompts`` seeded for one generation call when worker.rollout.per_request_seed is on."""
@@ -450,6 +462,8 @@ class Trainer:
                 group.shutdown()
         self.reward_model = self.critic = self.hybrid = None
         ray.kill(self.reward_actor)
+        if self.judge is not None:
+            self.judge.close()
 
 
 def _curve_row(step: int, metrics: dict[str, float]) -> dict:

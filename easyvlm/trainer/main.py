@@ -54,6 +54,7 @@ def start_ray(plan: RunPlan) -> Any:
     else:
         # logical CPUs: one per training process plus the reward actor's; the OS shares the cores
         cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + cfg.worker.reward.num_cpus
+        cpus += cfg.worker.judge.num_workers if cfg.worker.judge.enable else 0  # one per judge engine
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env})
     return ray
 

@@ -59,6 +59,11 @@ RM_PLAN = f"{RM_WORKER}::test_keys_reach_the_reward_model_spec"
 RM_EQUAL = f"{RM_WORKER}::test_worker_scores_equal_transformers_forward"
 RM_CHECKS = f"{RM_WORKER}::test_reward_model_keys_are_checked"
 RM_E2E = "tests/trainer/test_e2e_reward_model.py::TestRewardModelRuns::test_trains_on_the_reward_model_score"
+JUDGE = "tests/trainer/test_e2e_judge.py"
+JUDGE_PLAN = f"{JUDGE}::test_judge_keys_reach_the_spec"
+JUDGE_CHECKS = f"{JUDGE}::test_judge_keys_are_checked"
+JUDGE_POOL = f"{JUDGE}::test_pool_batches_caches_and_counts_parse_failures"
+JUDGE_RUN = f"{JUDGE}::test_a_judged_run_trains_two_steps"
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,23 @@ ENTRIES: list[tuple[str, Entry]] = [
             "tests/rewards/test_model_scores.py::test_training_scores_update_the_statistics_validation_reads_them",
             via=("running",)),
     *_fsdp("reward_model", plan=RM_PLAN),
+    # the generative judge (issue 20): JUDGE_PLAN shows each key reaching JudgeSpec; the judge's own
+    # tests (scripted pool, the 2-step run) what the spec does
+    effects("worker.judge.enable", JUDGE_PLAN, JUDGE_CHECKS),
+    effects("worker.judge.model_path", JUDGE_PLAN, JUDGE_RUN),
+    effects("worker.judge.trust_remote_code", JUDGE_PLAN),
+    effects("worker.judge.engine", JUDGE_PLAN, JUDGE_RUN),
+    effects("worker.judge.template", JUDGE_PLAN, f"{JUDGE}::test_a_broken_template_is_a_config_error", JUDGE_POOL),
+    effects("worker.judge.parser", JUDGE_PLAN, JUDGE_POOL, JUDGE_CHECKS),
+    effects("worker.judge.max_tokens", JUDGE_PLAN, JUDGE_CHECKS),
+    effects("worker.judge.max_prompt_length", JUDGE_PLAN, JUDGE_RUN),
+    effects("worker.judge.min_pixels", JUDGE_PLAN, JUDGE_CHECKS),
+    effects("worker.judge.max_pixels", JUDGE_PLAN, JUDGE_CHECKS),
+    effects("worker.judge.num_workers", JUDGE_PLAN, JUDGE_POOL),
+    effects("worker.judge.timeout", JUDGE_PLAN, JUDGE_RUN),
+    effects("worker.judge.on_error", JUDGE_PLAN, JUDGE_POOL,
+            f"{JUDGE}::test_a_verdict_that_does_not_parse_names_the_sample_with_on_error_raise"),
+    effects("worker.judge.cache_size", JUDGE_PLAN, JUDGE_POOL),
     effects("worker.reward.reward_functions", f"{BUILD}::test_reward_functions_list", f"{REWARDS}::test_weighted_combination_and_key_names",
             via=("RewardFunctionSpec",)),  # each item becomes one
     # rollout: sampling keys reach the plan's Sampling, engine keys its EngineSpec (then vllm.LLM: GPU_ENGINE)
