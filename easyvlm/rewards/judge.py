@@ -91,12 +91,15 @@ class JudgeActor:
 class Judge:
     """The driver's side: the actor pool, the cache, the parser and the failure handling."""
 
-    def __init__(self, spec: Any, actors: Sequence[Any] | None = None):
+    def __init__(self, spec: Any, start_actor: Callable[[int], Any] | None = None):
+        """``start_actor(index)``: a new judge actor (default: a JudgeActor on its own CPU or GPU);
+        an actor that times out is killed and replaced by a new one."""
         from easyvlm.utils.plugins import load_plugin
 
         self.spec = spec
         self.parser: Callable[..., float] = load_plugin(spec.parser)[0]
-        self.actors = list(actors) if actors is not None else [_start_actor(spec, i) for i in range(spec.num_workers)]
+        self._start = start_actor or (lambda index: _start_actor(spec, index))
+        self.actors = [self._start(i) for i in range(spec.num_workers)]
         self.cache: OrderedDict[str, float] = OrderedDict()
 
     def score(self, inputs: Sequence[RewardInput]) -> tuple[list[float], dict[str, float]]:
@@ -116,15 +119,17 @@ class Judge:
         verdicts: dict[int, str | None] = {}
         if asked:
             shares = [asked[k :: len(self.actors)] for k in range(len(self.actors))]
-            calls = [(share, actor.verdicts.remote([(prompts[i], list(inputs[i].images)) for i in share]))
-                     for share, actor in zip(shares, self.actors) if share]
+            calls = [(k, share, actor.verdicts.remote([(prompts[i], list(inputs[i].images)) for i in share]))
+                     for k, (share, actor) in enumerate(zip(shares, self.actors)) if share]
             metrics["judge/calls"] = float(len(calls))
-            for share, ref in calls:
+            deadline = time.monotonic() + self.spec.timeout  # the engines work in parallel: one limit for all
+            for k, share, ref in calls:
                 try:
-                    texts = ray.get(ref, timeout=self.spec.timeout)
+                    texts = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
                 except ray.exceptions.GetTimeoutError:
-                    metrics["judge/timeouts"] += len(share)
-                    ray.cancel(ref, force=True)
+                    metrics["judge/timeouts"] += sum(1 for key in keys if unique.get(key) in share)
+                    ray.kill(self.actors[k])  # it may be stuck: a new engine serves the next calls
+                    self.actors[k] = self._start(k)
                     self._fail(share[0], f"the judge took longer than worker.judge.timeout={self.spec.timeout} s")
                     texts = [None] * len(share)
                 for i, text in zip(share, texts):
@@ -135,7 +140,7 @@ class Judge:
                 self.cache.move_to_end(key)
                 scores.append(self.cache[key])
                 continue
-            text = verdicts.get(unique.get(key, i))
+            text = verdicts.get(unique[key])
             value = None if text is None else self._parse(text, item, i)
             if value is None:
                 metrics["judge/parse_failures"] += text is not None

@@ -340,7 +340,7 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.judge.min_pixels", JUDGE_PLAN, JUDGE_CHECKS),
     effects("worker.judge.max_pixels", JUDGE_PLAN, JUDGE_CHECKS),
     effects("worker.judge.num_workers", JUDGE_PLAN, JUDGE_POOL),
-    effects("worker.judge.timeout", JUDGE_PLAN, JUDGE_RUN),
+    effects("worker.judge.timeout", JUDGE_PLAN, f"{JUDGE}::test_a_judge_past_its_timeout_is_replaced"),
     effects("worker.judge.on_error", JUDGE_PLAN, JUDGE_POOL,
             f"{JUDGE}::test_a_verdict_that_does_not_parse_names_the_sample_with_on_error_raise"),
     effects("worker.judge.cache_size", JUDGE_PLAN, JUDGE_POOL),

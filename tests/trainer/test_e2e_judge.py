@@ -21,11 +21,15 @@ TEMPLATE = str(REPO_ROOT / "format_prompts" / "judge.jinja")
 class ScriptedJudge:
     """A judge actor that answers yes when the response equals the reference, and records its calls."""
 
-    def __init__(self, garbage_for: str = ""):
+    def __init__(self, garbage_for: str = "", delay: float = 0.0):
         self.calls: list[list[str]] = []
         self.garbage_for = garbage_for
+        self.delay = delay
 
     def verdicts(self, requests):
+        import time
+
+        time.sleep(self.delay)
         self.calls.append([prompt for prompt, _ in requests])
         out = []
         for prompt, _ in requests:
@@ -70,7 +74,7 @@ def test_pool_batches_caches_and_counts_parse_failures():
     import ray
 
     actors = [scripted("green") for _ in range(2)]
-    judge = Judge(Spec(), actors=actors)
+    judge = Judge(Spec(), start_actor=actors.__getitem__)
     # a GRPO group: 5 samples of one prompt, with "red" twice; "green" gets an unparsable verdict
     scores, metrics = judge.score([item("red"), item("blue"), item("red"), item("green"), item("yellow")])
     assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]
@@ -89,10 +93,32 @@ def test_pool_batches_caches_and_counts_parse_failures():
 
 @pytest.mark.usefixtures("e2e_ray")
 def test_a_verdict_that_does_not_parse_names_the_sample_with_on_error_raise():
-    judge = Judge(Spec(on_error="raise", num_workers=1), actors=[scripted("green")])
+    judge = Judge(Spec(on_error="raise", num_workers=1), start_actor=lambda index: scripted("green"))
     with pytest.raises(RewardError, match=r"sample 1: the parser .*judge.py:parse_yes_no could not read the verdict "
                                           r"'maybe\?': ValueError"):
         judge.score([item("red"), item("green")])
+
+
+@pytest.mark.usefixtures("e2e_ray")
+def test_a_judge_past_its_timeout_is_replaced():
+    import ray
+
+    started = []
+
+    def start(index):  # the first engine hangs for 60 s, its replacement answers at once
+        started.append(scripted("", 60.0 if not started else 0.0))
+        return started[-1]
+
+    judge = Judge(Spec(num_workers=1, timeout=2.0), start_actor=start)
+    scores, metrics = judge.score([item("red"), item("blue")])
+    assert scores == [0.0, 0.0] and metrics["judge/timeouts"] == 2 and metrics["judge/parse_failures"] == 0
+    assert len(started) == 2 and judge.actors == [started[1]]
+    scores, metrics = judge.score([item("red"), item("blue")])  # nothing was cached: asked again
+    assert scores == [1.0, 0.0] and metrics["judge/timeouts"] == 0 and metrics["judge/calls"] == 1
+    raising = Judge(Spec(num_workers=1, timeout=1.0, on_error="raise"), start_actor=lambda index: scripted("", 60.0))
+    with pytest.raises(RewardError, match=r"sample 0: the judge took longer than worker.judge.timeout=1.0 s"):
+        raising.score([item("red")])
+    ray.kill(raising.actors[0])
 
 
 def test_parse_yes_no():
