@@ -26,7 +26,7 @@ def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
     with status 2 (no traceback). With ``print_config=true`` (or ``--print-config``), print the
     resolved config as YAML and exit 0. Local files the config names must exist.
     """
-    args, print_config, problems = _take_print_flag(argv)
+    args, print_config, problems = take_print_flag(argv)
     cfg, load_problems = load_config_collecting(args)
     problems += load_problems
     problems += find_problems(cfg, check_files=True)
@@ -39,7 +39,9 @@ def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
     return cfg
 
 
-def _take_print_flag(argv: Sequence[str]) -> tuple[list[str], bool, list[Problem]]:
+def take_print_flag(argv: Sequence[str]) -> tuple[list[str], bool, list[Problem]]:
+    """(the other arguments, whether ``print_config=true`` / ``--print-config`` was given, problems):
+    shared by the trainers' command lines (``easyvlm.trainer.main``, ``easyvlm.rm``)."""
     args, print_config, problems = [], False, []
     for arg in argv:
         key, sep, value = arg.partition("=")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from easyvlm.algorithms.preference import bradley_terry_loss
-from easyvlm.config.cli import _take_print_flag, exit_with_problems
+from easyvlm.config.cli import take_print_flag, exit_with_problems
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.loader import load_config_collecting, to_yaml
 from easyvlm.data.batch import Batch
@@ -54,7 +54,7 @@ EXIT_ERROR = 2
 # ------------------------------------------------------------------------------------------- config
 def parse_config(argv: Sequence[str]) -> RMConfig:
     """argv -> a checked RMConfig, or exit 2 listing every problem (no traceback)."""
-    args, print_config, problems = _take_print_flag(argv)
+    args, print_config, problems = take_print_flag(argv)
     cfg, load_problems = load_config_collecting(args, schema=RMConfig)
     problems += load_problems
     if not problems:

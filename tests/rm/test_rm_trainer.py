@@ -83,3 +83,40 @@ def test_resume_gives_the_uninterrupted_weights(tiny_model_path, tmp_path):
         torch.testing.assert_close(resumed[key], whole[key], rtol=0, atol=0)
     steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "experiment_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+def test_print_config_shows_the_resolved_config(capsys):
+    from easyvlm.rm.train import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([f"config={REPO / 'examples' / 'rm.yaml'}", "data.margin_key=margin", "print_config=true"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "margin_key: margin" in out and "train_files: builtin:synthetic-colour-preference@train" in out
+    assert "total_epochs: 24" in out
+
+
+def test_margins_are_read_and_checked(tiny_model_path, tmp_path):
+    from easyvlm.builtin.synthetic import resolve_builtin_dataset
+    from easyvlm.config.schema import ModelConfig
+    from easyvlm.data.loading import DataError
+    from easyvlm.plan.build import load_bundle
+    from easyvlm.rm.config import PreferenceDataConfig
+    from easyvlm.rm.data import PreferenceDataset, collate_pairs
+
+    source = resolve_builtin_dataset("builtin:synthetic-preference@val")
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:3]]
+    rows = [{**r, "images": [str(source.parent / r["images"][0])], "gap": m} for r, m in zip(rows, (0.5, 2, 0.0))]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bundle = load_bundle(ModelConfig(model_path=tiny_model_path))
+    config = PreferenceDataConfig(train_files=str(data), margin_key="gap", min_pixels=3136, max_pixels=50176)
+    args = (bundle.tokenizer, bundle.processor, bundle.policy.hf_config, bundle.tokenizer.eos_token_id)
+    dataset = PreferenceDataset(str(data), config, *args)
+    batch = collate_pairs([dataset[i] for i in range(3)], bundle.tokens.pad, config.max_response_length)
+    assert batch["margin"].tolist() == [0.5, 0.5, 2.0, 2.0, 0.0, 0.0]  # each pair's, on both of its rows
+    rows[1]["gap"] = -1
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problem = r"pairs.jsonl row 1 \(line 2\): the margin column 'gap' \(data.margin_key\) must be a number >= 0, got -1"
+    with pytest.raises(DataError, match=problem):
+        PreferenceDataset(str(data), config, *args)
