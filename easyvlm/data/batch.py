@@ -53,7 +53,7 @@ ORIGINAL_IMAGES_KEY = "original_images"
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 # What the actor and critic updates read, when present.
-UPDATE_INPUT_KEYS = (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values")
+UPDATE_INPUT_KEYS = (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs")
 # What the actor's update always needs (plus old_logprobs off-policy, ref_logprobs with a KL loss).
 POLICY_UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
 

