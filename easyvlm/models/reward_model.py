@@ -67,11 +67,16 @@ class NotARewardModelError(ValueError):
     """A model directory whose config is not a scalar sequence-classification model."""
 
 
+def is_sequence_classifier(hf_config: Any) -> bool:
+    """Whether the config names a ``...ForSequenceClassification`` architecture."""
+    return any(a.endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for a in getattr(hf_config, "architectures", None) or [])
+
+
 def reward_model_problem(hf_config: Any, where: str) -> str | None:
     """Why the model of ``hf_config`` cannot serve as a reward model, or None: its config must name a
     ``...ForSequenceClassification`` architecture with one label (a scalar head)."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not any(a.endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for a in architectures):
+    if not is_sequence_classifier(hf_config):
         return (f"{where} is not a reward model: its config.json names architectures {architectures}, not a "
                 f"...{SEQUENCE_CLASSIFICATION_SUFFIX} (a policy checkpoint has no trained score head); train one "
                 "with `python -m easyvlm.rm` (docs/rewards.md) and give its huggingface/ export directory")

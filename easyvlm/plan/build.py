@@ -68,7 +68,7 @@ class RunPlan:
 
 
 # ------------------------------------------------------------------------------------------- paths
-def _abs_if_local(path: Optional[str]) -> Optional[str]:
+def abs_if_local(path: Optional[str]) -> Optional[str]:
     """An absolute path if ``path`` names something on disk (keeps ``builtin:`` and hub ids)."""
     if not path:
         return path
@@ -81,7 +81,7 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     r = dataclasses.replace
 
     def model(m: ModelConfig) -> ModelConfig:
-        return r(m, model_path=_abs_if_local(m.model_path), tokenizer_path=_abs_if_local(m.tokenizer_path))
+        return r(m, model_path=abs_if_local(m.model_path), tokenizer_path=abs_if_local(m.tokenizer_path))
 
     def spec(value: str) -> str:
         return resolve_plugin_spec(value) if is_plugin_spec(value) else value
@@ -98,22 +98,22 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     actor = r(cfg.worker.actor, model=model(cfg.worker.actor.model), loss_type=spec(cfg.worker.actor.loss_type))
     critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
     reward_model = cfg.worker.reward_model
-    reward_model = r(reward_model, model=r(reward_model.model, model_path=_abs_if_local(reward_model.model.model_path)))
+    reward_model = r(reward_model, model=r(reward_model.model, model_path=abs_if_local(reward_model.model.model_path)))
     judge = cfg.worker.judge
-    judge = r(judge, model_path=_abs_if_local(judge.model_path), template=_abs_if_local(judge.template),
+    judge = r(judge, model_path=abs_if_local(judge.model_path), template=abs_if_local(judge.template),
               parser=spec(judge.parser) if judge.parser else judge.parser)
     data = r(
         cfg.data,
-        train_files=_abs_if_local(cfg.data.train_files),
-        val_files=_abs_if_local(cfg.data.val_files),
-        image_dir=_abs_if_local(cfg.data.image_dir),
-        format_prompt=_abs_if_local(cfg.data.format_prompt),
-        override_chat_template=_abs_if_local(cfg.data.override_chat_template),
+        train_files=abs_if_local(cfg.data.train_files),
+        val_files=abs_if_local(cfg.data.val_files),
+        image_dir=abs_if_local(cfg.data.image_dir),
+        format_prompt=abs_if_local(cfg.data.format_prompt),
+        override_chat_template=abs_if_local(cfg.data.override_chat_template),
     )
     trainer = r(
         cfg.trainer,
         save_checkpoint_path=str(Path(cfg.trainer.save_checkpoint_path).resolve()) if cfg.trainer.save_checkpoint_path else None,
-        load_checkpoint_path=_abs_if_local(cfg.trainer.load_checkpoint_path),
+        load_checkpoint_path=abs_if_local(cfg.trainer.load_checkpoint_path),
         ray_timeline=str(Path(cfg.trainer.ray_timeline).resolve()) if cfg.trainer.ray_timeline else None,
     )
     return r(

@@ -51,8 +51,9 @@ def build_reward_inputs(
 
     Needs tensors ``responses`` (B, T) and ``response_mask`` (B, T) bool, and objects
     ``ground_truth``; uses the objects ``prompt_text``, ``images``, ``original_image_sizes`` and
-    ``extra`` when present. ``reward_model_scores``: (scores, raw scores) of ``worker.reward_model``. The response text is the decoded tokens that ``response_mask`` selects
+    ``extra`` when present. The response text is the decoded tokens that ``response_mask`` selects
     (EOS included, then dropped by ``skip_special_tokens``); ``response_length`` is their count.
+    ``reward_model_scores``: (scores, raw scores) of ``worker.reward_model``, one per sample.
     """
     batch.require("responses", "response_mask", "ground_truth")
     responses, mask = batch["responses"], batch["response_mask"].bool()

@@ -19,7 +19,6 @@ their verdict did not parse or did not come), judge/score_mean, timing_s/judge.
 from __future__ import annotations
 
 import hashlib
-import io
 import time
 from collections import OrderedDict
 from functools import lru_cache
@@ -47,13 +46,16 @@ def judge_prompt(template_path: str, item: RewardInput) -> str:
     )
 
 
-def cache_key(prompt: str, images: Sequence[Any]) -> str:
-    digest = hashlib.sha256(prompt.encode())
-    for image in images:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        digest.update(b"\0" + buffer.getvalue())
+def cache_key(text: str, image_digests: Sequence[bytes]) -> str:
+    digest = hashlib.sha256(text.encode())
+    for image in image_digests:
+        digest.update(b"\0" + image)
     return digest.hexdigest()
+
+
+def image_digest(image: Any) -> bytes:
+    """The pixels' hash (mode and size included): no encoding, so it costs one pass over the bytes."""
+    return hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).digest()
 
 
 class JudgeActor:
@@ -108,7 +110,9 @@ class Judge:
 
         start = time.perf_counter()
         prompts = [judge_prompt(self.spec.template, item) for item in inputs]
-        keys = [cache_key(p + "\0" + item.response, item.images) for p, item in zip(prompts, inputs)]
+        digests: dict[int, bytes] = {}  # a GRPO group's samples share their image objects: hash each once
+        keys = [cache_key(p + "\0" + item.response, [digests.setdefault(id(im), image_digest(im)) for im in item.images])
+                for p, item in zip(prompts, inputs)]
         unique: dict[str, int] = {}  # the same prompt and response twice in one step: judged once
         for i, key in enumerate(keys):
             if key not in self.cache:

@@ -15,7 +15,7 @@ STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "image
 # The keys a multi-turn run (worker.rollout.tools / environment) adds; single-turn inputs do not have them.
 MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward")
 # The keys a run with worker.reward_model or worker.judge adds.
-REWARD_MODEL_KEYS = ("reward_model_score", "reward_model_raw_score", "judge_score")
+MODEL_SCORE_KEYS = ("reward_model_score", "reward_model_raw_score", "judge_score")
 
 
 @dataclass
@@ -52,12 +52,14 @@ class RewardInput:
     """The row's prompt column as written (``<image>`` placeholders, no format prompt or chat
     template): what a judge's template shows (not in the reward function's dict)."""
     judge_score: float | None = None
-    """``worker.judge`` runs only: the judge's parsed verdict (None when it failed to parse)."""
+    """``worker.judge`` runs only: the judge's parsed verdict (0 when it did not parse or did not
+    come, with ``on_error=zero``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The dict a reward function gets: the standard keys, plus each extra column by name (and
-        the multi-turn keys in a multi-turn run)."""
-        out = {k: v for k, v in self.extra.items() if k not in STANDARD_KEYS and k not in MULTI_TURN_KEYS and k not in REWARD_MODEL_KEYS}
+        the multi-turn keys in a multi-turn run, the model scores with a reward model or judge)."""
+        reserved = (*STANDARD_KEYS, *MULTI_TURN_KEYS, *MODEL_SCORE_KEYS)
+        out = {k: v for k, v in self.extra.items() if k not in reserved}
         if self.trajectory is not None:
             out.update({k: self.trajectory[k] for k in MULTI_TURN_KEYS})
         if self.reward_model_score is not None:

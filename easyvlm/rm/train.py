@@ -69,21 +69,21 @@ def parse_config(argv: Sequence[str]) -> RMConfig:
 
 def resolve(cfg: RMConfig) -> RMConfig:
     """Local paths absolute (as the RL plan does)."""
-    from easyvlm.plan.build import _abs_if_local
+    from easyvlm.plan.build import abs_if_local
 
     r = dataclasses.replace
     d = cfg.data
-    data = r(d, train_files=_abs_if_local(d.train_files), val_files=_abs_if_local(d.val_files),
-             image_dir=_abs_if_local(d.image_dir), format_prompt=_abs_if_local(d.format_prompt))
+    data = r(d, train_files=abs_if_local(d.train_files), val_files=abs_if_local(d.val_files),
+             image_dir=abs_if_local(d.image_dir), format_prompt=abs_if_local(d.format_prompt))
     save = cfg.trainer.save_checkpoint_path or f"checkpoints/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
-    return r(cfg, data=data, model=r(cfg.model, model_path=_abs_if_local(cfg.model.model_path)),
+    return r(cfg, data=data, model=r(cfg.model, model_path=abs_if_local(cfg.model.model_path)),
              trainer=r(cfg.trainer, save_checkpoint_path=str(Path(save).resolve())))
 
 
 # ------------------------------------------------------------------------------------------ trainer
 class RewardModelTrainer:
     def __init__(self, cfg: RMConfig):
-        from easyvlm.models.reward_model import reward_model_problem, sequence_classification_config
+        from easyvlm.models.reward_model import is_sequence_classifier, reward_model_problem, sequence_classification_config
         from easyvlm.plan.build import load_bundle
         from easyvlm.workers.dist import init_distributed, worker_device
         from easyvlm.workers.forward import ForwardSetup, dummy_image_for
@@ -94,8 +94,7 @@ class RewardModelTrainer:
         self.cfg = cfg
         bundle = load_bundle(cfg.model, key="model")
         hf_config = bundle.policy.hf_config
-        is_reward_model = any(a.endswith("ForSequenceClassification") for a in hf_config.architectures or [])
-        if is_reward_model:  # train a reward model further: its head must be scalar
+        if is_sequence_classifier(hf_config):  # train a reward model further: its head must be scalar
             problem = reward_model_problem(hf_config, f"model.model_path ({bundle.policy.model_dir})")
             if problem:
                 raise ConfigError([Problem("model.model_path", problem)])
@@ -209,7 +208,7 @@ class RewardModelTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, manager: Any) -> Path:
         path = manager.partial_dir(self.global_step) if self.rank == 0 else None
-        path = Path(_broadcast_str(str(path) if path else "", self.device))
+        path = Path(_broadcast_str(str(path) if path else ""))
         save_sharded_checkpoint(path / "reward_model", self.model, self.optimizer, self.scheduler, self.rank)
         self.export_hf(path / HF_EXPORT_DIR)
         if self.rank == 0:
@@ -302,7 +301,8 @@ def export_reward_model(state: dict[str, torch.Tensor], hf_config: Any, files: A
         files.processor.save_pretrained(path)
 
 
-def _broadcast_str(value: str, device: torch.device) -> str:
+def _broadcast_str(value: str) -> str:
+    """Rank 0's ``value`` on every rank."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -97,7 +97,7 @@ class Trainer:
         self.reward_model: WorkerGroup | None = None
         self.reward_model_scores: RewardModelScores | None = None
         self.judge: Judge | None = None
-        self._reward_model_metrics: dict[str, float] = {}  # the step's, merged into its metrics
+        self._scorer_metrics: dict[str, float] = {}  # the step's reward model and judge metrics
         # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
         share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
         actor = with_total_steps(plan.actor, self.total_steps)
@@ -117,7 +117,7 @@ class Trainer:
                                                 pg=self.hybrid.pg, share=share)
                 group = self.reward_model
                 self.reward_model_scores = RewardModelScores(
-                    lambda batch: group.dispatch("compute_scores", batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)),
+                    lambda batch: group.dispatch("compute_scores", _model_inputs(batch)),
                     plan.reward_model.normalize,
                 )
         except BaseException:
@@ -218,7 +218,7 @@ class Trainer:
             # 2. old log-probs, ref log-probs, values: the reward actor works meanwhile. An on-policy
             # update (one PPO epoch, one mini-batch, no KL in the reward) needs no old log-probs: the
             # actor uses its update's own forward pass, detached (then no timing_s/old is logged)
-            model_inputs = batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)
+            model_inputs = _model_inputs(batch)
             if not update_is_on_policy(self.plan.actor.update.optimizer_steps_per_step, self.derived.kl_in_reward):
                 with timed("old", metrics):
                     batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs, self.actor_sp))
@@ -236,8 +236,8 @@ class Trainer:
                 result = reward_ref if isinstance(reward_ref, RewardResult) else _concat_results(ray.get(reward_ref))
             assert len(result.overall) == len(batch), "one reward per sample"
             metrics.update(result.metrics)
-            metrics.update(self._reward_model_metrics)
-            self._reward_model_metrics = {}
+            metrics.update(self._scorer_metrics)
+            self._scorer_metrics = {}
             seq_rewards = torch.tensor(result.overall, dtype=torch.float32)
 
             # 3. rewards per token, KL in the reward, advantages (pure functions)
@@ -348,10 +348,9 @@ class Trainer:
             start = time.perf_counter()
             scores, raw, rm_metrics = self.reward_model_scores.score(batch, training)
             if training:
-                for key, value in rm_metrics.items():  # several generation rounds: the last round's
-                    self._reward_model_metrics[key] = value
-                self._reward_model_metrics["timing_s/reward_model"] = (
-                    self._reward_model_metrics.get("timing_s/reward_model", 0.0) + time.perf_counter() - start)
+                self._scorer_metrics.update(rm_metrics)  # several generation rounds: the last round's
+                self._scorer_metrics["timing_s/reward_model"] = (
+                    self._scorer_metrics.get("timing_s/reward_model", 0.0) + time.perf_counter() - start)
             scores = (scores, raw)
         inputs = build_reward_inputs(batch, self.tokenizer, self.cfg.worker.reward.skip_special_tokens, scores)
         if self.judge is not None:
@@ -360,7 +359,7 @@ class Trainer:
                 item.judge_score = value
             if training:
                 for key, value in judge_metrics.items():  # several generation rounds: added up
-                    self._reward_model_metrics[key] = self._reward_model_metrics.get(key, 0.0) + value
+                    self._scorer_metrics[key] = self._scorer_metrics.get(key, 0.0) + value
         return inputs
 
     def _seeded(self, prompts: Batch, *call: int) -> Batch:
@@ -464,6 +463,11 @@ class Trainer:
         ray.kill(self.reward_actor)
         if self.judge is not None:
             self.judge.close()
+
+
+def _model_inputs(batch: Batch) -> Batch:
+    """What the workers' forward passes read (tensors and vision inputs), without the rest."""
+    return batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)
 
 
 def _curve_row(step: int, metrics: dict[str, float]) -> dict:

@@ -82,10 +82,11 @@ def test_pool_batches_caches_and_counts_parse_failures():
     assert metrics["judge/requests"] == 5 and metrics["judge/calls"] == 2 and metrics["judge/cache_hits"] == 1
     assert metrics["judge/parse_failures"] == 1 and metrics["judge/score_mean"] == pytest.approx(2 / 5)
     assert sorted(len(c) for a in actors for c in ray.get(a.history.remote())) == [2, 2]
-    # the next step: the same question and image with "red" is remembered; the same question on a
-    # blue image is not the same request (the images are part of the key)
-    scores, metrics = judge.score([item("red"), item("red", colour="blue", answer="blue")])
-    assert scores == [1.0, 0.0] and metrics["judge/cache_hits"] == 1 and metrics["judge/calls"] == 1
+    # the next step: the same question and image with "red" is remembered; the same question, reference
+    # and response on a blue image is not the same request (the images are part of the key), so it is
+    # judged (the scripted judge reads the text only, hence yes)
+    scores, metrics = judge.score([item("red"), item("red", colour="blue")])
+    assert scores == [1.0, 1.0] and metrics["judge/cache_hits"] == 1 and metrics["judge/calls"] == 1
     # a failed parse is not cached: asked again
     _, metrics = judge.score([item("green")])
     assert metrics["judge/cache_hits"] == 0 and metrics["judge/parse_failures"] == 1
