@@ -1,6 +1,7 @@
 """Policy losses: ``PolicyLossInputs -> (loss, metrics)``, registered by name.
 
-Every loss computes per-token losses (B, T) and aggregates them with
+Every loss computes per-token losses (B, T), multiplies them by the rollout correction's
+importance weights when there are any (:func:`weighted`), and aggregates them with
 :func:`easyvlm.algorithms.aggregation.aggregate_loss` using ``loss_avg_mode`` and the mini-batch
 normaliser (see that module for how the actor passes it). Get one with
 ``get_policy_loss(name_or_spec)``; ``policy_loss_names()`` lists the built-in ones.
@@ -76,10 +77,16 @@ class PolicyLossInputs:
     """Aggregation mode, see aggregation.py (aliases accepted)."""
     normalizer: float | None = None
     """N of the whole mini-batch from ``loss_normalizer``; None = this batch is the mini-batch."""
+    rollout_is_weights: Tensor | None = None
+    """(B, T) detached importance weights of the rollout correction (``algorithm.rollout_correction``,
+    see ``rollout_correction.py``) that multiply each token's loss, as verl does; None = all 1.
+    Every built-in loss applies them (:func:`weighted`); plug-in losses are refused with them."""
 
     def __post_init__(self) -> None:
         check_mask(self.response_mask, self.logprobs)
-        for name in ("logprobs", "old_logprobs", "advantages"):
+        for name in ("logprobs", "old_logprobs", "advantages", "rollout_is_weights"):
+            if getattr(self, name) is None:
+                continue
             shape = tuple(getattr(self, name).shape)
             if shape != tuple(self.response_mask.shape):
                 expected = tuple(self.response_mask.shape)
@@ -153,6 +160,13 @@ def _prepare(inputs: PolicyLossInputs) -> _Prepared:
     return _Prepared(mask, logprobs, zero_masked(inputs.advantages, mask), log_ratio)
 
 
+def weighted(token_losses: Tensor, inputs: PolicyLossInputs) -> Tensor:
+    """The (B, T) token losses times the rollout correction's importance weights (if any)."""
+    if inputs.rollout_is_weights is None:
+        return token_losses
+    return token_losses * inputs.rollout_is_weights.detach().to(token_losses.dtype)
+
+
 def _fraction(flags: Tensor, mask: Tensor) -> float:
     return masked_mean(flags.to(torch.float32), mask).item()
 
@@ -189,7 +203,7 @@ def ppo_clip_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     dual_bound = -p.advantages * inputs.clip_ratio_dual
     negative = p.advantages < 0
     token_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
-    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
     metrics = {
         "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
         "pg_clipfrac_lower": _fraction(clip_active & negative, p.mask),
@@ -207,7 +221,7 @@ def _seq_log_ratio(p: _Prepared) -> Tensor:
 def _gspo_from_log_ratio(log_s: Tensor, p: _Prepared, inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     ratio = torch.exp(log_s)
     token_losses, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
-    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
     metrics = {
         "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
         "pg_clipfrac_lower": _fraction(clip_active & (p.advantages < 0), p.mask),
@@ -253,7 +267,7 @@ def cispo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     ratio = torch.exp(p.log_ratio).detach()
     weight = ratio.clamp(1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
     token_losses = -weight * p.advantages * p.logprobs
-    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
     metrics = {
         "pg_clipfrac_higher": _fraction(ratio > 1.0 + inputs.clip_ratio_high, p.mask),
         "pg_clipfrac_lower": _fraction(ratio < 1.0 - inputs.clip_ratio_low, p.mask),
@@ -278,7 +292,7 @@ def sapo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     tau = torch.where(p.advantages >= 0, inputs.tau_positive, inputs.tau_negative).to(ratio.dtype)  # (B, T)
     gate_sigmoid = torch.sigmoid(tau * (ratio - 1.0))
     token_losses = -p.advantages * (4.0 / tau) * gate_sigmoid
-    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
     grad_scale = 4.0 * gate_sigmoid.detach() * (1.0 - gate_sigmoid.detach())
     metrics = {"sapo_grad_scale": masked_mean(grad_scale, p.mask).item(), **_base_metrics(p)}
     return loss, metrics

@@ -128,6 +128,44 @@ class DataConfig:
 
 # ---------------------------------------------------------------------------------------- algorithm
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's rollout correction (docs/algorithms.md, "Rollout correction"): importance weights and
+    rejection of tokens where the sampler's log-probs (pi_rollout) differ from the trainer's (pi_old).
+    Same key names and meanings as verl's `algorithm.rollout_correction`; easyvlm always keeps the
+    sampler's log-probs (verl's `calculate_log_probs`). The mismatch metrics
+    (actor/rollout_mismatch/*) are logged every step whatever is set here."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    """Importance weights pi_old / pi_rollout multiplying each token's policy loss: `token` (one
+    per token), `sequence` (the product over the sequence), null = none. Needs the trainer's
+    log-probs, so the step computes them (one forward pass) even when the update is on-policy."""
+    rollout_is_threshold: str = "2.0"
+    """A number u: truncated IS, weights above u become u. A string `l_u` (e.g. `0.5_2.0`): IcePop,
+    weights outside [l, u] become 0."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their mean over the step's batch (after truncation)."""
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: comma-separated criteria that drop tokens (token_k1/k2/k3) or whole
+    sequences (seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3) from the loss, k1 = -log r,
+    k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = pi_old / pi_rollout. null = none."""
+    rollout_rs_threshold: Optional[str] = None
+    """Bounds of `rollout_rs`, comma-separated, one per criterion or one for all: k2/k3 an upper
+    bound; k1 `l_u` (a single u means `1/u_u`), kept when pi_rollout / pi_old lies in [l, u] (verl's)."""
+    bypass_mode: bool = False
+    """True: the sampler's log-probs are PPO's old log-probs (pi_old = pi_rollout; verl's bypass
+    mode): no trainer forward pass for them, and the PPO ratio pi_theta / pi_rollout is the
+    correction. Not combinable with rollout_is / rollout_rs here."""
+    loss_type: str = "ppo_clip"
+    """verl's bypass-mode loss. Only `ppo_clip` (the configured worker.actor.loss_type with the
+    rollout as pi_old); verl's `reinforce` is refused."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the policy loss changes (weights or rejection); else only metrics are logged."""
+        return self.rollout_is is not None or self.rollout_rs is not None
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     gamma: float = 1.0
     """Discount factor (GAE, REINFORCE++)."""
@@ -165,6 +203,8 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     """easyvlm extra. GRPO divides advantages by the group's standard deviation; False gives
     Dr. GRPO (arXiv:2503.20783), which does not."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's rollout correction: truncated / masked importance sampling against the sampler."""
 
 
 # ------------------------------------------------------------------------------------------- worker

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from easyvlm.config.errors import ConfigError, Problem
+from easyvlm.config.rollout_correction import parse_is_threshold, parse_rejection
 from easyvlm.config.introspect import all_keys, describe, field_types, is_finite_number, is_section, matches
 from easyvlm.config.schema import (
     ADV_ESTIMATORS,
@@ -26,6 +27,7 @@ from easyvlm.config.schema import (
     POLICY_LOSSES,
     PPOConfig,
     RolloutConfig,
+    RolloutCorrectionConfig,
 )
 from easyvlm.agents.tools import SHIPPED_TOOLS
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, parse_plugin_spec
@@ -269,6 +271,7 @@ def _check_algorithm(c: _Checks) -> None:
             "is unset, but algorithm.adv_estimator=gae needs the critic (a value model) to estimate advantages; set it "
             "(usually to the actor's model path) or choose a critic-free estimator such as grpo",
         )
+    _check_rollout_correction(c)
     if a.online_filtering:
         if not a.filter_key:
             c.add("algorithm.filter_key", "must name a reward key (e.g. overall) when online filtering is on")
@@ -278,6 +281,47 @@ def _check_algorithm(c: _Checks) -> None:
                 f"({a.filter_low}) must be below algorithm.filter_high ({a.filter_high}): online filtering keeps "
                 "prompts whose mean reward lies between them",
             )
+
+
+def _check_rollout_correction(c: _Checks) -> None:
+    p = "algorithm.rollout_correction"
+    rc = c.cfg.algorithm.rollout_correction
+    try:
+        upper, lower = parse_is_threshold(rc.rollout_is_threshold)
+        if lower is None and upper < 1.0:  # caps every weight below 1; usually YAML's reading of 0.5_2
+            c.add(f"{p}.rollout_is_threshold", f"{rc.rollout_is_threshold} truncates every importance weight below "
+                  "1, which only scales the loss down; use a bound >= 1 (typically 2-5), or for IcePop bounds write "
+                  "'0.5_2.0' (YAML reads 0.5_2 as the number 0.52)")
+    except ValueError as exc:
+        c.add(f"{p}.rollout_is_threshold", str(exc))
+    if rc.rollout_is is None:
+        for key in ("rollout_is_threshold", "rollout_is_batch_normalize"):
+            if _differs(rc, RolloutCorrectionConfig(), key):
+                c.add(f"{p}.{key}", f"is set but {p}.rollout_is is null, so no importance weights are made; set "
+                      f"{p}.rollout_is=token (or sequence), or leave {key} at its default")
+    if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:
+        c.add(f"{p}.rollout_rs_threshold", f"is set but {p}.rollout_rs is null, so nothing is rejected; set "
+              f"{p}.rollout_rs (e.g. seq_mean_k3) or remove the threshold")
+    elif rc.rollout_rs is not None:
+        try:
+            parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
+        except ValueError as exc:
+            key = "rollout_rs" if str(exc).startswith("unknown") else "rollout_rs_threshold"
+            c.add(f"{p}.{key}", str(exc))
+    if rc.loss_type != "ppo_clip":
+        c.add(f"{p}.loss_type", f"{rc.loss_type!r} is not supported: easyvlm's bypass mode keeps the PPO loss of "
+              "worker.actor.loss_type with the sampler as pi_old (verl's ppo_clip); verl's reinforce loss is not "
+              "implemented here. Use loss_type=ppo_clip")
+    if rc.bypass_mode and rc.active:
+        c.add(f"{p}.bypass_mode", "is true together with rollout_is / rollout_rs, which here compare the trainer's "
+              "old log-probs with the sampler's; bypass mode makes them the same (pi_old = pi_rollout), so the "
+              "weights would all be 1. Use bypass_mode=false (verl's decoupled mode) for importance weights or "
+              "rejection, or bypass_mode=true alone")
+    if rc.active and is_plugin_spec(c.cfg.worker.actor.loss_type):
+        c.add(f"{p}.rollout_is" if rc.rollout_is else f"{p}.rollout_rs",
+              f"is set, but worker.actor.loss_type={c.cfg.worker.actor.loss_type} is a plug-in, which may not apply "
+              "PolicyLossInputs.rollout_is_weights; use a built-in loss, or apply the weights in your loss and "
+              "register it by name (easyvlm.algorithms.register_policy_loss)")
 
 
 # ------------------------------------------------------------------------------------ actor, critic

@@ -15,6 +15,7 @@ Keys and shapes used by the trainer (B = sequences, P = prompt tokens, T = respo
     response_mask    (B, T)   bool    True = the token counts in the loss (up to and incl. EOS)
     rollout_logprobs (B, T)   float   log-probs the sampler reported (kept for rollout correction)
     old_logprobs / ref_logprobs / values / advantages / returns / token_rewards  (B, T) float
+    rollout_is_weights (B, T) float   the rollout correction's importance weights (when on)
     seq_rewards      (B,)     float
     group_ids        (B,)     int64   same id = samples of the same prompt
 
@@ -53,7 +54,10 @@ ORIGINAL_IMAGES_KEY = "original_images"
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
 MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
 # What the actor and critic updates read, when present.
-UPDATE_INPUT_KEYS = (*MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs")
+UPDATE_INPUT_KEYS = (
+    *MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs",
+    "rollout_is_weights",
+)
 # What the actor's update always needs (plus old_logprobs off-policy, ref_logprobs with a KL loss).
 POLICY_UPDATE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages")
 

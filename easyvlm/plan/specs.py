@@ -141,7 +141,10 @@ class PolicyLossSpec:
     tau_negative: float
     loss_avg_mode: str
 
-    def __call__(self, logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, normalizer: float) -> tuple[Any, dict[str, float]]:
+    def __call__(
+        self, logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, normalizer: float,
+        rollout_is_weights: Any = None,
+    ) -> tuple[Any, dict[str, float]]:
         from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 
         inputs = PolicyLossInputs(
@@ -156,6 +159,7 @@ class PolicyLossSpec:
             tau_negative=self.tau_negative,
             loss_avg_mode=self.loss_avg_mode,
             normalizer=normalizer,
+            rollout_is_weights=rollout_is_weights,
         )
         return get_policy_loss(self.name)(inputs)
 

@@ -22,6 +22,7 @@ import torch
 from easyvlm.agents.loop import TRAJECTORY_KEY, trajectory_metrics
 from easyvlm.agents.setup import DriverRollout
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage, kl_penalty
+from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
 from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.distributed.worker_group import Resources, WorkerGroup
@@ -81,6 +82,10 @@ class Trainer:
         algo = self.cfg.algorithm
         self.kl_ctrl = build_kl_controller(algo.kl_type, algo.kl_coef, algo.kl_target, algo.kl_horizon)
         self.advantage_fn = get_advantage(algo.adv_estimator)
+        rc = algo.rollout_correction  # checked by the config check, so parsing cannot fail here
+        self.correction = parse_rollout_correction(
+            rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold
+        )
         self.ckpt = CheckpointManager(self.derived.save_checkpoint_path, self.cfg.trainer.save_limit)
         self.global_step = 0
         self._step_uids: list[str] = []  # prompts of the current step, for the data-order log
@@ -217,9 +222,14 @@ class Trainer:
 
             # 2. old log-probs, ref log-probs, values: the reward actor works meanwhile. An on-policy
             # update (one PPO epoch, one mini-batch, no KL in the reward) needs no old log-probs: the
-            # actor uses its update's own forward pass, detached (then no timing_s/old is logged)
+            # actor uses its update's own forward pass, detached (then no timing_s/old is logged).
+            # The rollout correction needs them in the driver; its bypass mode takes the sampler's.
             model_inputs = _model_inputs(batch)
-            if not update_is_on_policy(self.plan.actor.update.optimizer_steps_per_step, self.derived.kl_in_reward):
+            if algo.rollout_correction.bypass_mode:
+                batch["old_logprobs"] = batch["rollout_logprobs"]
+            elif self.correction.active or not update_is_on_policy(
+                self.plan.actor.update.optimizer_steps_per_step, self.derived.kl_in_reward
+            ):
                 with timed("old", metrics):
                     batch = batch.union(self.hybrid.dispatch("compute_logprobs", model_inputs, self.actor_sp))
             # the full KL as a loss term is computed in the update itself (the reference's whole
@@ -268,8 +278,9 @@ class Trainer:
                 with timed("update_critic", metrics):
                     metrics.update(_rank0_metrics(self.critic.dispatch_collect("update_critic", update_batch, self.critic_sp)))
             if self.global_step > self.cfg.trainer.critic_warmup:
+                actor_batch = self._corrected(update_batch, metrics) if self.correction.active else update_batch
                 with timed("update_actor", metrics):
-                    metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", update_batch, self.actor_sp)))
+                    metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", actor_batch, self.actor_sp)))
 
         prompt_mask = batch["attention_mask"][:, : batch["prompts"].shape[1]].bool()
         mask = batch["response_mask"].bool()
@@ -287,6 +298,21 @@ class Trainer:
             # plain lists and references here; the page is written in the viewer's thread
             self.viewer.submit([capture_rollouts(self.global_step, "train", batch, result.scores, result.overall)])
         return metrics
+
+    def _corrected(self, update_batch: Batch, metrics: dict[str, float]) -> Batch:
+        """The actor's update batch with the rollout correction: importance weights and the response
+        mask without the rejected tokens (which then leave the loss's normaliser too, as in verl).
+        The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
+        weights, keep, corr_metrics = rollout_correction(
+            update_batch["old_logprobs"], update_batch["rollout_logprobs"], update_batch["response_mask"].bool(),
+            self.correction,
+        )
+        metrics.update({f"rollout_corr/{k}": v for k, v in corr_metrics.items()})
+        actor_batch = update_batch.copy()
+        actor_batch["response_mask"] = keep
+        if weights is not None:
+            actor_batch["rollout_is_weights"] = weights
+        return actor_batch
 
     # ------------------------------------------------------------------ generation and rewards
     def _generate(self, prompts: Batch, metrics: dict[str, float]) -> tuple[Batch, Any]:

@@ -173,7 +173,9 @@ class ActorWorker:
         # on-policy without old_logprobs: this pass runs with the sampling weights (see update_policy)
         old_logprobs = micro["old_logprobs"].to(self.device) if "old_logprobs" in micro else logprobs.detach()
         advantages = micro["advantages"].to(self.device)
-        pg_loss, pg_metrics = spec.policy_loss(logprobs, old_logprobs, advantages, mask, normalizer)
+        # the rollout correction's weights (algorithm.rollout_correction.rollout_is), made in the driver
+        weights = micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None
+        pg_loss, pg_metrics = spec.policy_loss(logprobs, old_logprobs, advantages, mask, normalizer, weights)
         loss = pg_loss
         entropy_loss = aggregate_loss(entropy if spec.entropy_coeff else entropy.detach(), mask, mode, normalizer)
         if spec.entropy_coeff:

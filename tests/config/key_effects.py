@@ -46,6 +46,8 @@ REWARDS = "tests/rewards/test_reward_manager.py"
 ROLLOUT = "tests/rollout/test_rollout_base.py"
 VLLM = "tests/rollout/test_vllm.py"
 
+CORRECTION = "tests/algorithms/test_rollout_correction.py"
+CORRECTION_LOOP = f"{LOOP}::test_rollout_correction_settings_the_loop_applies"
 PLAN = f"{BUILD}::test_keys_reach_their_spec_fields"  # the key's value reaches its field of the run plan
 GPU_ENGINE = f"{VLLM}::test_gpu_engine_settings"  # EngineSpec -> vllm.LLM keyword arguments on GPUs
 OFFLOAD = "tests/workers/test_update.py::test_offload_moves_what_the_keys_ask_and_brings_it_back"
@@ -276,6 +278,19 @@ ENTRIES: list[tuple[str, Entry]] = [
             via=("groups_in_range",)),
     effects("algorithm.norm_adv_by_std_in_grpo", f"{LOOP}::test_grpo_advantages_with_and_without_std_normalisation",
             f"{ADV}::test_dr_grpo_does_not_divide_by_std", via=("norm_by_std",)),
+    # verl's rollout correction: the loop makes weights and masks (test_loop), the losses apply them
+    effects("algorithm.rollout_correction.rollout_is", CORRECTION_LOOP, f"{CORRECTION}::test_token_tis_truncates_at_the_threshold",
+            f"{CORRECTION}::test_sequence_is_is_the_product_over_the_sequence_and_batch_normalizes_over_sequences"),
+    effects("algorithm.rollout_correction.rollout_is_threshold", CORRECTION_LOOP,
+            f"{CORRECTION}::test_icepop_zeroes_weights_outside_the_band", via=("parse_is_threshold",)),
+    effects("algorithm.rollout_correction.rollout_is_batch_normalize", CORRECTION_LOOP,
+            f"{CORRECTION}::test_token_batch_normalize_divides_by_the_token_mean", via=("batch_normalize",)),
+    effects("algorithm.rollout_correction.rollout_rs", CORRECTION_LOOP, f"{CORRECTION}::test_sequence_rejection_criteria",
+            via=("parse_rejection",)),
+    effects("algorithm.rollout_correction.rollout_rs_threshold", CORRECTION_LOOP,
+            f"{CORRECTION}::test_k1_bounds_follow_verls_convention", via=("parse_rejection",)),
+    effects("algorithm.rollout_correction.bypass_mode", CORRECTION_LOOP),
+    refused("algorithm.rollout_correction.loss_type"),  # only ppo_clip; verl's reinforce is not implemented
     # ---------------------------------------------------------------------------------- worker
     refused("worker.hybrid_engine"),  # easyvlm always colocates actor, reference and rollout
     # actor

@@ -195,6 +195,24 @@ RULES = [
     (["trainer.logger=[console,console]"], "trainer.logger", "more than once"),
     (["trainer.critic_warmup=2"], "trainer.critic_warmup", "no critic to warm up"),
     (["worker.ref.offload.offload_optimizer=true"], "worker.ref.offload.offload_optimizer", "has no optimizer"),
+    # rollout correction (verl's names)
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0_1.0"],
+     "algorithm.rollout_correction.rollout_is_threshold", "lower bound must not exceed"),
+    # YAML reads 0.5_2 as 0.52: a truncation below 1 is refused with the hint
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_2"],
+     "algorithm.rollout_correction.rollout_is_threshold", "YAML reads 0.5_2 as the number 0.52"),
+    (["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"],
+     "algorithm.rollout_correction.rollout_rs_threshold", "u must be >= 1"),
+    (["algorithm.rollout_correction.rollout_is_threshold=3"], "algorithm.rollout_correction.rollout_is_threshold", "rollout_is is null"),
+    (["algorithm.rollout_correction.rollout_is_batch_normalize=true"], "algorithm.rollout_correction.rollout_is_batch_normalize", "rollout_is is null"),
+    (["algorithm.rollout_correction.rollout_rs_threshold=2"], "algorithm.rollout_correction.rollout_rs_threshold", "rollout_rs is null"),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k4", "algorithm.rollout_correction.rollout_rs_threshold=2"], "algorithm.rollout_correction.rollout_rs", "unknown criteria"),
+    (["algorithm.rollout_correction.rollout_rs=token_k3"], "algorithm.rollout_correction.rollout_rs_threshold", "must be set with rollout_rs"),
+    (["algorithm.rollout_correction.rollout_rs=token_k3,seq_max_k2", "algorithm.rollout_correction.rollout_rs_threshold='1,2,3'"], "algorithm.rollout_correction.rollout_rs_threshold",
+     "3 entries for 2 criteria"),
+    (["algorithm.rollout_correction.loss_type=reinforce"], "algorithm.rollout_correction.loss_type", "reinforce loss is not implemented"),
+    (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], "algorithm.rollout_correction.bypass_mode", "weights would all be 1"),
+    (["algorithm.rollout_correction.rollout_is=sequence", "worker.actor.loss_type=./loss.py:mine"], "algorithm.rollout_correction.rollout_is", "is a plug-in"),
 ]
 
 

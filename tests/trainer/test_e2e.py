@@ -72,9 +72,13 @@ RUNS = {
         [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "worker.actor.loss_type=gspo"],
         ["actor/kl_loss"],
     ),
+    # with verl's rollout correction on: token TIS and sequence rejection (the trainer then computes
+    # old log-probs although the update is on-policy)
     "rloo": (
-        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "algorithm.adv_estimator=rloo"],
-        ["actor/kl_loss"],
+        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "algorithm.adv_estimator=rloo",
+         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+         "algorithm.rollout_correction.rollout_rs_threshold=0.01"],
+        ["actor/kl_loss", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"],
     ),
     "reinforce_plus_plus": (
         [
@@ -121,9 +125,10 @@ RUNS = {
         ["actor/kl_loss"],
     ),
 }
-# Runs whose update is not on-policy (the trainer must compute old log-probs: timing_s/old is logged);
-# the others take one optimizer step per step with the KL as a loss or off, so the pass is skipped.
-OFF_POLICY = {"reinforce_plus_plus", "full_kl_reward"}  # KL in the reward reads old_logprobs
+# Runs that compute old log-probs (timing_s/old is logged): the update is not on-policy (the KL in
+# the reward reads old_logprobs), or the rollout correction needs them; the others take one optimizer
+# step per step with the KL as a loss or off, so the pass is skipped.
+OFF_POLICY = {"reinforce_plus_plus", "full_kl_reward", "rloo"}
 
 
 @pytest.mark.slow
@@ -155,6 +160,10 @@ class TestEstimators:
                 assert 0.0 <= row["actor/rollout_mismatch/k3"] < 1e-4
                 assert row["actor/rollout_mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-2)
                 assert row["actor/rollout_mismatch/ratio_outside"] == 0.0
+        if name == "rloo":  # the hf engine samples with the actor's weights: weights ~1, nothing rejected
+            for row in rows:
+                assert row["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+                assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0
         if name == "dapo":
             assert all(row["online_filtering/rounds"] >= 1.0 for row in rows)
         if name == "full_kl_loss":

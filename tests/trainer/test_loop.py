@@ -26,6 +26,7 @@ N = 4  # samples per prompt
 # accuracy of sample j of prompt i: ACCURACY[i % 4][j]. Group means: 1, 0.25, 0.75, 0; of
 # overall = 1 - accuracy / 2: 0.5, 0.875, 0.625, 1
 ACCURACY = [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+ROLLOUT_SHIFT = 1.0986122886681098  # ln 3
 # a valid GRPO run around the tiny model: 2 prompts x 4 samples per step, 1 rank
 LOOP_OVERRIDES = (
     "algorithm.adv_estimator=grpo",
@@ -91,6 +92,10 @@ class FakeGroup:
                 "attention_mask": torch.ones(B, P + T, dtype=torch.bool),
                 "responses": torch.tensor([response] * B),
                 "response_mask": torch.ones(B, T, dtype=torch.bool),
+                # the sampler's log-probs: 0 (the fake trainer's too) but ln(1/3) on the first token
+                # of every prompt's sample 0, so there r = pi_old / pi_rollout = 3
+                "rollout_logprobs": torch.tensor([[-ROLLOUT_SHIFT if (j == 0 and t == 0) else 0.0 for t in range(T)]
+                                                  for _, j in rows]),
             },
             {
                 "uid": [prompts["uid"][i] for i, _ in rows],
@@ -371,3 +376,55 @@ def test_per_request_seed_seeds_each_generation_call(monkeypatch, tiny_model_pat
         assert prompts[SEED_KEY] == [mix_seeds(9, TRAIN_CALL, 1, 0, i) for i in range(2)]
     else:
         assert SEED_KEY not in prompts
+
+
+# ------------------------------------------------------------------------------ rollout correction
+CORRECTION = "algorithm.rollout_correction"
+
+
+def actor_update(fakes) -> Batch:
+    return [b for m, b, _ in fakes.hybrid.calls if m == "update_actor"][0]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f"{CORRECTION}.rollout_is=token"],  # truncated at the default rollout_is_threshold 2
+        [f"{CORRECTION}.rollout_is=token", f"{CORRECTION}.rollout_is_threshold=4"],
+        [f"{CORRECTION}.rollout_is=token", f"{CORRECTION}.rollout_is_batch_normalize=true"],
+        [f"{CORRECTION}.rollout_rs=token_k1", f"{CORRECTION}.rollout_rs_threshold=2.0"],
+        [f"{CORRECTION}.bypass_mode=true"],
+        [],
+    ],
+)
+def test_rollout_correction_settings_the_loop_applies(monkeypatch, tiny_model_path, tmp_path, overrides):
+    # on-policy (disable_kl, 1 epoch, 1 mini-batch): no old log-probs unless the correction needs them
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.disable_kl=true", *overrides)
+    metrics = one_step(trainer)
+    update = actor_update(fakes)
+    settings = dict(o.removeprefix(f"{CORRECTION}.").split("=") for o in overrides)
+    first = torch.zeros(8, 3, dtype=torch.bool)
+    first[[0, 4], 0] = True  # sample 0 of both prompts, first token: r = 3; every other token r = 1
+    asked_old = "compute_logprobs" in fakes.hybrid.methods()
+    if "rollout_is" in settings:
+        assert asked_old  # the weights need pi_old even on-policy
+        cap = float(settings.get("rollout_is_threshold", 2.0))
+        mean = (22 + 2 * min(3.0, cap)) / 24  # 24 tokens: 22 with r = 1, 2 with r = 3 (truncated at cap)
+        norm = mean if settings.get("rollout_is_batch_normalize") == "true" else 1.0
+        torch.testing.assert_close(update["rollout_is_weights"], torch.where(first, min(3.0, cap), 1.0) / norm)
+        assert metrics[f"rollout_corr/rollout_is_mean"] == pytest.approx(mean)
+        assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(2 / 24 if cap < 3 else 0.0)
+        assert update["response_mask"].all()
+    elif "rollout_rs" in settings:
+        assert asked_old
+        # r = 3 is outside [1/2, 2]: those two tokens leave the actor's loss (and its normaliser)
+        assert torch.equal(update["response_mask"], ~first) and "rollout_is_weights" not in update
+        assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 24)
+        assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 8)
+    elif settings.get("bypass_mode") == "true":
+        # the sampler's log-probs are pi_old: no forward pass for them, the PPO ratio is pi / pi_rollout
+        assert not asked_old
+        torch.testing.assert_close(update["old_logprobs"], torch.where(first, -ROLLOUT_SHIFT, 0.0))
+    else:  # nothing set: only the actor's mismatch metrics (not faked here)
+        assert not asked_old and "old_logprobs" not in update and "rollout_is_weights" not in update
+        assert update["response_mask"].all() and not any(k.startswith("rollout_corr/") for k in metrics)

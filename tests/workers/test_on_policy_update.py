@@ -122,3 +122,43 @@ def test_the_update_reports_the_samplers_mismatch(process_group, tiny_model_path
                                                                  abs=1e-5)
     assert metrics["actor/rollout_mismatch/ratio_mean"] == pytest.approx((samples * (3 + 0.5) + n - 2 * samples) / n, abs=1e-5)
     assert metrics["actor/rollout_mismatch/ratio_outside"] == pytest.approx(samples / n, abs=1e-6)
+
+
+@pytest.mark.parametrize("setting", ["tis", "rejection"])
+def test_the_correction_acts_through_the_update(process_group, tiny_model_path, batch, setting):
+    """The driver's rollout correction on an injected perturbation, then the real update: on-policy
+    every PPO ratio is 1, so the pg loss is -sum(A w) / N over the kept tokens, by hand."""
+    import math
+
+    from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
+
+    actor = make_actor(tiny_model_path)
+    exact = actor.compute_logprobs(batch)["old_logprobs"]
+    mask = batch["response_mask"]
+    shift = torch.zeros_like(exact)
+    shift[:, 0] = math.log(3)  # first token of every sample: r = pi_old / pi_rollout = 3
+    data = batch.copy()
+    data["old_logprobs"] = exact
+    data["rollout_logprobs"] = torch.where(mask, exact - shift, 0.0)
+    if setting == "tis":  # token TIS at 2: the first tokens weigh 2, the others 1
+        corr = parse_rollout_correction("token", "2.0", False, None, None)
+        expected_w = torch.where(mask, 1.0, 0.0)
+        expected_w[:, 0] = 2.0
+        kept = mask
+    else:  # token_k1 with band [1/2, 2] drops the first tokens
+        corr = parse_rollout_correction(None, "2.0", False, "token_k1", "2.0")
+        expected_w = torch.where(mask, 1.0, 0.0)
+        kept = mask.clone()
+        kept[:, 0] = False
+    weights, keep, _ = rollout_correction(data["old_logprobs"], data["rollout_logprobs"], mask, corr)
+    assert torch.equal(keep, kept)
+    if weights is not None:
+        torch.testing.assert_close(weights, expected_w)
+        data["rollout_is_weights"] = weights
+    data["response_mask"] = keep
+    metrics = actor.update_policy(data)
+    advantages = batch["advantages"]
+    expected = -(advantages * expected_w)[kept].sum().item() / int(kept.sum())
+    assert metrics["actor/pg_loss"] == pytest.approx(expected, rel=1e-5)
+    # and it differs from the uncorrected loss -mean(A) over all tokens (the correction acted)
+    assert abs(expected + advantages[mask].mean().item()) > 1e-3

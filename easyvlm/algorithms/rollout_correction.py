@@ -1,0 +1,158 @@
+"""Rollout correction: importance weights and rejection masks for the sampler-trainer gap.
+
+The sampler (vLLM: other kernels, bf16 on GPUs; or an older copy of the weights with asynchronous
+rollout) draws responses from pi_rollout, while PPO's ratio assumes they came from pi_old, the
+trainer's own log-probs of the same weights. Per valid token, log r = log pi_old - log pi_rollout.
+This module follows verl's rollout correction (``algorithm.rollout_correction``, its "decoupled"
+mode; Liu, Li et al. 2025, "When Speed Kills Stability"), with verl's key names and meanings:
+
+- ``rollout_is`` ("token" | "sequence" | None): importance weights w that multiply each token's
+  policy loss (detached; they change the measure, not the objective). token: w_t = exp(log r_t);
+  sequence: w = exp(sum_t log r_t), the same for every token of the sequence. The log is clamped
+  to [-20, 20] first (no overflow).
+- ``rollout_is_threshold``: a number u = truncated IS (w = min(w, u), TIS); a string "l_u" =
+  IcePop (w = 0 outside [l, u], unchanged inside).
+- ``rollout_is_batch_normalize``: divide the weights by their batch mean (token level: over all
+  valid tokens; sequence level: over sequences), after truncation.
+- ``rollout_rs``: rejection sampling, a comma-separated list of criteria; a token (or every token
+  of a sequence) failing any of them leaves the loss (its mask becomes False). With
+  k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r per token: ``token_k{1,2,3}`` per token,
+  ``seq_sum_k{1,2,3}`` / ``seq_mean_k{1,2,3}`` the sum / mean over the sequence's valid tokens,
+  ``seq_max_k{2,3}`` the maximum. ``rollout_rs_threshold``: one entry per criterion, or one for
+  all, comma-separated. k2/k3 criteria keep values <= the upper bound u. k1 criteria take "l_u"
+  (a single u means l = 1/u) and keep log l <= k1 <= log u, i.e. pi_rollout / pi_old in [l, u]
+  (verl's convention: the bounds are on exp(k1), the inverse of r).
+
+All functions are pure and run on the whole step's batch in the driver, so the batch mean of
+``rollout_is_batch_normalize`` is exact whatever the number of ranks; the rejected tokens leave
+the loss's normaliser as well (the update reads the corrected mask), as in verl.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from easyvlm.algorithms.masked import check_mask, masked_mean, masked_sum
+from easyvlm.config.rollout_correction import (  # the parsed config, torch-free for the config check
+    IS_LEVELS,
+    RejectionRule,
+    RolloutCorrection,
+    parse_is_threshold,
+    parse_rejection,
+    parse_rollout_correction,
+)
+
+__all__ = [
+    "RejectionRule", "RolloutCorrection", "importance_weights", "parse_is_threshold", "parse_rejection",
+    "parse_rollout_correction", "rejection_mask", "rollout_correction",
+]
+
+SAFETY_BOUND = 20.0
+"""log weights are clamped to [-20, 20]: exp(20) ~ 4.9e8 is finite in float32."""
+
+# ----------------------------------------------------------------------------- weights and masks
+def importance_weights(log_ratio: Tensor, mask: Tensor, corr: RolloutCorrection) -> tuple[Tensor, dict[str, float]]:
+    """(B, T) detached importance weights (0 at masked positions) and their metrics."""
+    check_mask(mask, log_ratio)
+    log_ratio = log_ratio.detach().float()
+    if corr.rollout_is == "token":
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    elif corr.rollout_is == "sequence":
+        seq = masked_sum(log_ratio, mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        raw = torch.exp(seq).unsqueeze(-1).expand_as(log_ratio)
+    else:
+        raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)}, got {corr.rollout_is!r}")
+    raw = torch.where(mask, raw, torch.zeros_like(raw))
+    lower = corr.is_lower if corr.is_lower is not None else 1.0 / corr.is_upper
+    if corr.is_lower is None:
+        weights = raw.clamp(max=corr.is_upper)
+    else:
+        weights = torch.where((raw >= corr.is_lower) & (raw <= corr.is_upper), raw, torch.zeros_like(raw))
+    metrics = {
+        "rollout_is_mean": float(masked_mean(weights, mask)),
+        "rollout_is_max": float(weights.masked_fill(~mask, float("-inf")).max()) if mask.any() else 0.0,
+        "rollout_is_min": float(weights.masked_fill(~mask, float("inf")).min()) if mask.any() else 0.0,
+        "rollout_is_ratio_fraction_high": float(masked_mean((raw > corr.is_upper).float(), mask)),
+        "rollout_is_ratio_fraction_low": float(masked_mean((raw < lower).float(), mask)),
+        # Kish's effective sample size per token, as a fraction: mean(w)^2 / mean(w^2)
+        "rollout_is_eff_sample_size": float(masked_mean(weights, mask) ** 2 / masked_mean(weights**2, mask).clamp(min=1e-12)),
+    }
+    if corr.batch_normalize:
+        if corr.rollout_is == "token":
+            mean = masked_mean(weights, mask)
+        else:  # one weight per sequence that has a valid token
+            rows = mask.any(dim=-1)
+            mean = weights.max(dim=-1).values[rows].mean() if rows.any() else torch.tensor(0.0)
+        factor = float(mean) if float(mean) > 1e-8 else 1.0
+        weights = weights / factor
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+def _statistic(option: str, log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) the criterion's statistic per token (a sequence criterion's value on all its tokens)."""
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    kind = option[-2:]
+    token = {"k1": -safe, "k2": 0.5 * safe**2, "k3": torch.exp(safe) - 1.0 - safe}[kind]
+    if option.startswith("token_"):
+        return token
+    if option.startswith("seq_sum_"):
+        seq = masked_sum(token, mask, dim=-1)
+    elif option.startswith("seq_mean_"):
+        seq = masked_mean(token, mask, dim=-1)
+    else:  # seq_max_: 0 for a sequence without valid tokens
+        seq = token.masked_fill(~mask, float("-inf")).max(dim=-1).values.clamp(min=0.0)
+    return seq.unsqueeze(-1).expand_as(token)
+
+
+def rejection_mask(log_ratio: Tensor, mask: Tensor, rules: tuple[RejectionRule, ...]) -> tuple[Tensor, dict[str, float]]:
+    """(B, T) bool: ``mask`` without the rejected tokens, and the rejection metrics."""
+    check_mask(mask, log_ratio)
+    log_ratio = log_ratio.detach().float()
+    keep = mask.clone()
+    metrics: dict[str, float] = {}
+    rows = mask.any(dim=-1)
+    for rule in rules:
+        stat = _statistic(rule.option, log_ratio, mask)
+        passed = stat <= rule.upper
+        if rule.lower is not None:
+            passed &= stat >= rule.lower
+        keep &= passed
+        rejected = mask & ~passed
+        metrics[f"rollout_rs_{rule.option}_mean"] = float(masked_mean(stat, mask))
+        metrics[f"rollout_rs_{rule.option}_masked_fraction"] = float(masked_mean(rejected.float(), mask))
+        metrics[f"rollout_rs_{rule.option}_seq_masked_fraction"] = _row_fraction(rejected, rows)
+    metrics["rollout_rs_masked_fraction"] = float(masked_mean((mask & ~keep).float(), mask))
+    metrics["rollout_rs_seq_masked_fraction"] = _row_fraction(mask & ~keep, rows)
+    return keep, metrics
+
+
+def _row_fraction(flags: Tensor, rows: Tensor) -> float:
+    """Share of the sequences with a valid token that have a flagged token."""
+    return float(flags.any(dim=-1)[rows].float().mean()) if rows.any() else 0.0
+
+
+def rollout_correction(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, corr: RolloutCorrection
+) -> tuple[Optional[Tensor], Tensor, dict[str, float]]:
+    """The step's correction: (weights (B, T) or None, the corrected response mask, metrics).
+
+    old_logprobs: the trainer's log-probs of the sampled tokens (pi_old); rollout_logprobs: the
+    sampler's. The weights are computed on the original mask; rejected tokens get weight 0 too.
+    """
+    check_mask(response_mask, old_logprobs)
+    log_ratio = old_logprobs.float() - rollout_logprobs.float()
+    metrics: dict[str, float] = {}
+    keep = response_mask
+    if corr.rejection:
+        keep, rs_metrics = rejection_mask(log_ratio, response_mask, corr.rejection)
+        metrics.update(rs_metrics)
+    weights = None
+    if corr.rollout_is is not None:
+        weights, is_metrics = importance_weights(log_ratio, response_mask, corr)
+        weights = torch.where(keep, weights, torch.zeros_like(weights))
+        metrics.update(is_metrics)
+    return weights, keep, metrics

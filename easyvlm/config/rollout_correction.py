@@ -1,0 +1,122 @@
+"""The parsed form of ``algorithm.rollout_correction`` (verl's rollout correction), without torch.
+
+The config check parses the section with these functions (so a bad threshold is refused before
+anything starts) and the loop builds its `RolloutCorrection` with them; the weights and masks are
+made by ``easyvlm.algorithms.rollout_correction``, which documents the meaning of every value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+IS_LEVELS = ("token", "sequence")
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RejectionRule:
+    """One ``rollout_rs`` criterion: keep where lower <= statistic <= upper (lower None: no bound)."""
+
+    option: str
+    upper: float
+    lower: Optional[float] = None
+    """Only k1 criteria have one; both bounds are then in log space (log l, log u)."""
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """A parsed ``algorithm.rollout_correction`` (without the bypass switch, which the loop reads)."""
+
+    rollout_is: Optional[str] = None
+    is_upper: float = 2.0
+    is_lower: Optional[float] = None
+    """Set = IcePop (weights outside [is_lower, is_upper] become 0); None = truncation at is_upper."""
+    batch_normalize: bool = False
+    rejection: tuple[RejectionRule, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        """Whether anything changes the loss (else only the mismatch metrics are logged)."""
+        return self.rollout_is is not None or bool(self.rejection)
+
+
+def parse_is_threshold(spec: float | int | str) -> tuple[float, Optional[float]]:
+    """``rollout_is_threshold`` -> (upper, lower or None). Raises ValueError saying what is wrong."""
+    if isinstance(spec, bool):
+        raise ValueError(f"must be a number (truncation) or a 'lower_upper' string (IcePop), got {spec!r}")
+    text = str(spec).strip()
+    parts = text.split("_", 1) if "_" in text else [text]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"must be a number such as 2.0 or a 'lower_upper' string such as '0.5_2.0', got {spec!r}") from None
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"bounds must be finite numbers > 0, got {spec!r}")
+    if len(values) == 1:
+        return values[0], None
+    lower, upper = values
+    if lower > upper:
+        raise ValueError(f"the lower bound must not exceed the upper one, got {spec!r}")
+    return upper, lower
+
+
+def parse_rejection(rollout_rs: Optional[str], threshold: float | int | str | None) -> tuple[RejectionRule, ...]:
+    """``rollout_rs`` and ``rollout_rs_threshold`` -> the rules. Raises ValueError saying what is wrong."""
+    if rollout_rs is None:
+        return ()
+    options = list(dict.fromkeys(o.strip() for o in str(rollout_rs).split(",") if o.strip()))
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if not options or unknown:
+        raise ValueError(f"unknown criteria {unknown or [rollout_rs]}; valid (comma-separated): {list(RS_OPTIONS)}")
+    if threshold is None or isinstance(threshold, bool):
+        raise ValueError("rollout_rs_threshold must be set with rollout_rs (one bound per criterion, or one for all)")
+    specs = [s.strip() for s in str(threshold).split(",") if s.strip()]
+    if len(specs) == 1:
+        specs = specs * len(options)
+    if len(specs) != len(options):
+        raise ValueError(f"rollout_rs_threshold has {len(specs)} entries for {len(options)} criteria; give one per criterion or one for all")
+    rules = []
+    for option, spec in zip(options, specs):
+        if option.endswith("k1"):
+            upper, lower = parse_is_threshold(spec)
+            if lower is None and upper < 1.0:
+                raise ValueError(f"{option} with a single bound u keeps [1/u, u], so u must be >= 1, got {spec!r}; "
+                                 "YAML reads 0.5_2 as the number 0.52: write '0.5_2.0'")
+            lower = 1.0 / upper if lower is None else lower
+            rules.append(RejectionRule(option, math.log(upper), math.log(lower)))
+            continue
+        try:
+            upper = float("nan") if "_" in spec else float(spec)  # float() reads "0.5_2" as 0.52
+        except ValueError:
+            raise ValueError(f"{option} takes a single upper bound (a number > 0), got {spec!r}") from None
+        if not (math.isfinite(upper) and upper > 0):
+            raise ValueError(f"{option} takes a single upper bound (a number > 0), got {spec!r}")
+        rules.append(RejectionRule(option, upper))
+    return tuple(rules)
+
+
+def parse_rollout_correction(
+    rollout_is: Optional[str],
+    rollout_is_threshold: float | str,
+    rollout_is_batch_normalize: bool,
+    rollout_rs: Optional[str],
+    rollout_rs_threshold: float | str | None,
+) -> RolloutCorrection:
+    """The config section's values -> a `RolloutCorrection` (ValueError for invalid ones)."""
+    if rollout_is is not None and rollout_is not in IS_LEVELS:
+        raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)} or null, got {rollout_is!r}")
+    upper, lower = parse_is_threshold(rollout_is_threshold)
+    return RolloutCorrection(
+        rollout_is=rollout_is,
+        is_upper=upper,
+        is_lower=lower,
+        batch_normalize=rollout_is_batch_normalize,
+        rejection=parse_rejection(rollout_rs, rollout_rs_threshold),
+    )
