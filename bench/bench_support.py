@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,57 +176,38 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 10) -> float:
 
 class TreeMemory:
     """Samples the resident memory of a process and all its descendants (Ray's raylet, GCS and
-    workers are children of the driver) every ``interval`` seconds, in a thread.
+    workers are children of the driver) every ``interval`` seconds, in a thread
+    (``process_tree_memory.TreeSampler``: RSS every sample, PSS every 5th and at RSS highs).
 
-    ``peak_sum``: the largest sum of RSS over the tree at one sample (what the machine had to hold);
-    ``sum_of_peaks``: each process's own peak, summed (an upper bound). RSS counts shared pages
-    (torch's libraries) once per process, so both overstate the unique memory somewhat.
+    ``peak_sum``: the largest sum of RSS over the tree at one sample (what the issues' figures
+    quote); ``sum_of_peaks``: each process's own peak, summed (an upper bound). RSS counts shared
+    pages (torch's libraries) once per process, so both overstate the unique memory; ``peak_pss_sum``
+    (proportional set size: a page shared by k processes counts 1/k in each) does not.
     """
 
     def __init__(self, pid: int, interval: float = 0.25):
-        import psutil
+        from process_tree_memory import TreeSampler
 
-        self._root = psutil.Process(pid)
-        self._interval = interval
-        self._stop = threading.Event()
-        self.peak_sum = 0
-        self._peaks: dict[int, int] = {}
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.sampler = TreeSampler(pid, interval)
+
+    @property
+    def peak_sum(self) -> int:
+        return self.sampler.peak_rss_sum
+
+    @property
+    def peak_pss_sum(self) -> int:
+        return self.sampler.peak_pss_sum
 
     @property
     def sum_of_peaks(self) -> int:
-        return sum(self._peaks.values())
-
-    def _sample(self) -> None:
-        import psutil
-
-        try:
-            procs = [self._root, *self._root.children(recursive=True)]
-        except psutil.Error:
-            return
-        total = 0
-        for proc in procs:
-            try:
-                rss = proc.memory_info().rss
-            except psutil.Error:
-                continue
-            total += rss
-            key = proc.pid
-            self._peaks[key] = max(self._peaks.get(key, 0), rss)
-        self.peak_sum = max(self.peak_sum, total)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self._interval)
+        return sum(p["peak_rss"] for p in self.sampler.per_process.values())
 
     def __enter__(self) -> "TreeMemory":
-        self._thread.start()
+        self.sampler.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        self.sampler.__exit__(*exc)
 
 
 def fit_exponent(xs: list[float], ys: list[float]) -> float:

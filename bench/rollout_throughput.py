@@ -8,7 +8,8 @@ settings, as the trainer builds it (``bench_support.bench_plan``). Prompts come 
 synthetic data set through the real data pipeline (one image per prompt, the demo's pixel limits).
 Every sequence generates exactly --tokens tokens (``worker.rollout.ignore_eos``), so both engines
 do the same work: prompts x n x tokens per run. Reported: the median of --repeats timed runs after
-one warm-up run, plus the engine build time. The transformers engine runs first: building a vLLM
+one warm-up run, plus the engine build time (--sleep: each timed run also wakes the engine before
+and puts it to sleep after, as the trainer does). The transformers engine runs first: building a vLLM
 CPU engine changes process-wide torch settings (it turns ``torch.set_num_threads`` into a no-op),
 which must not touch the other engine's numbers.
 --threads sets torch's intra-op threads before anything is built (the in-process vLLM engine uses
@@ -77,7 +78,11 @@ def run(engine_name: str, data_file: str, args: argparse.Namespace) -> dict:
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
+        if args.sleep:
+            engine.wake_up(["kv_cache"])
         engine.generate(batch)
+        if args.sleep:
+            engine.sleep()
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return {
@@ -90,6 +95,7 @@ def run(engine_name: str, data_file: str, args: argparse.Namespace) -> dict:
         "median_s": round(median, 3),
         "runs_s": [round(t, 3) for t in times],
         "tokens_per_s": round(args.prompts * args.n * args.tokens / median, 1),
+        "sleep": args.sleep,
     }
 
 
@@ -102,6 +108,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="hf,vllm", help="comma-separated, run in this order")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--sleep", action="store_true",
+                        help="wake_up(['kv_cache']) before and sleep() after each timed run, as the trainer's hybrid "
+                             "worker does (timed with it; on the CPU vLLM releases its KV cache's pages in sleep)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

@@ -135,6 +135,7 @@ def run_easyvlm(model_dir: str, args, max_response: int, prompts: int | None = N
         "step_s": [row["timing_s/step"] for row in rows],
         "rows": rows,
         "peak_rss_gib": memory.peak_sum / GiB,
+        "peak_pss_gib": memory.peak_pss_sum / GiB,
         "sum_of_peak_rss_gib": memory.sum_of_peaks / GiB,
         "response_length": [row["response_length/mean"] for row in rows],
         "out_dir": out_dir,
@@ -154,7 +155,8 @@ def run_trl(model_dir: str, args, max_response: int) -> dict:
     wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
     lines = [line for line in (Path(out_dir) / "run.log").read_text().splitlines() if line.startswith('{"framework": "trl"')]
     result = json.loads(lines[-1])
-    result.update(wall_s=wall, peak_rss_gib=memory.peak_sum / GiB, sum_of_peak_rss_gib=memory.sum_of_peaks / GiB)
+    result.update(wall_s=wall, peak_rss_gib=memory.peak_sum / GiB, peak_pss_gib=memory.peak_pss_sum / GiB,
+                  sum_of_peak_rss_gib=memory.sum_of_peaks / GiB)
     result["response_length"] = result.pop("completion_mean_length")
     return result
 
@@ -190,6 +192,7 @@ def summarize(name: str, res: dict, gen_tokens: int) -> dict:
         "steps_s": [round(x, 3) for x in res["step_s"]],
         "gen_tokens_per_s": round(gen_tokens / s, 1),
         "peak_rss_gib": round(res["peak_rss_gib"], 2),
+        "peak_pss_gib": round(res["peak_pss_gib"], 2),
         "sum_of_peak_rss_gib": round(res["sum_of_peak_rss_gib"], 2),
         "response_length": res["response_length"],
         "wall_s": round(res["wall_s"], 1),
@@ -252,6 +255,7 @@ def mode_compare(args) -> None:
         "efficiency": e["efficiency"], "trl_efficiency": t["efficiency"], "model": key,
         "easyvlm_gen_tokens_per_s": e["gen_tokens_per_s"], "trl_gen_tokens_per_s": t["gen_tokens_per_s"],
         "easyvlm_peak_rss_gib": e["peak_rss_gib"], "trl_peak_rss_gib": t["peak_rss_gib"],
+        "easyvlm_peak_pss_gib": e["peak_pss_gib"], "trl_peak_pss_gib": t["peak_pss_gib"],
         "matmul_peak_gflops": out["matmul_peak_gflops"], "essential_gflop": models[key]["essential_gflop"]["total"],
         # with shared prompts easyvlm executes fewer FLOPs than the essential count: its efficiency
         # on the FLOPs it runs (prefill + decode + training with each prompt once per group)

@@ -117,13 +117,14 @@ def policy_loss_names() -> tuple[str, ...]:
     return POLICY_LOSSES.names()
 
 
-def get_policy_loss(name_or_spec: str) -> PolicyLossFn:
-    """The loss for a registered name or a ``path/to/file.py:func`` plug-in.
+def get_policy_loss(name_or_spec: str, source: str | None = None) -> PolicyLossFn:
+    """The loss for a registered name or a ``path/to/file.py:func`` plug-in (``source``: the
+    plug-in's text as the driver read it, so that a worker on another node needs no copy of it).
 
     A plug-in is called with a :class:`PolicyLossInputs` and must return ``(loss, metrics)``: a
     0-d tensor and a dict of floats; the returned function checks that and names the file.
     """
-    fn, is_plugin = POLICY_LOSSES.get(name_or_spec)
+    fn, is_plugin = POLICY_LOSSES.get(name_or_spec, source)
     if not is_plugin:
         return fn
 

@@ -39,12 +39,13 @@ class Registry(Generic[F]):
         """Registered names, in registration order."""
         return tuple(self._fns)
 
-    def get(self, name_or_spec: str) -> tuple[F, bool]:
-        """``(function, is_plugin)`` for a registered name or a ``file.py:func`` spec."""
+    def get(self, name_or_spec: str, source: str | None = None) -> tuple[F, bool]:
+        """``(function, is_plugin)`` for a registered name or a ``file.py:func`` spec. ``source``:
+        the plug-in file's text as the driver read it (the file need not exist here)."""
         if not isinstance(name_or_spec, str):
             raise TypeError(f"{self.config_key} must be a string, got {type(name_or_spec).__name__}")
         if is_plugin_spec(name_or_spec):
-            fn, _module = load_plugin(name_or_spec, default_name="main")
+            fn, _module = load_plugin(name_or_spec, default_name="main", source=source)
             return fn, True
         if name_or_spec not in self._fns:
             raise ValueError(

@@ -283,6 +283,55 @@ def resolve_model_path(path: str) -> str:
     return _download_from_hub(path)
 
 
+def local_model_dir(planned_dir: str, model_path: str = "") -> str:
+    """This machine's directory of a model that the driver resolved to ``planned_dir`` from
+    ``model_path`` (``builtin:<name>``, a hub id or an absolute local directory; "" = unknown).
+
+    Workers call this before they read model files: on another node of a Ray cluster neither the
+    driver's easyvlm cache nor its Hugging Face cache exists. ``planned_dir`` is used when it exists
+    here (the driver's machine, shared storage, or a cache that holds the same build: builtin and hub
+    directories are named by build version and commit). Otherwise the name is resolved again on this
+    node: a builtin model is built into this node's cache (``$EASYVLM_CACHE`` of its ``ray start``;
+    the build is deterministic), a hub id comes from this node's Hugging Face cache or the hub. A
+    local directory missing here raises ModelNotFoundError: it must be on shared storage.
+    """
+    if not model_path or os.path.isdir(planned_dir):
+        return planned_dir
+    if model_path.startswith(BUILTIN_PREFIX):
+        return str(_materialize_in_subprocess(model_path[len(BUILTIN_PREFIX) :]))
+    if not os.path.isabs(model_path):  # a hub id
+        return resolve_model_path(model_path)
+    import socket
+
+    raise ModelNotFoundError(
+        f"model directory {model_path} (a local path in the config) does not exist on this node "
+        f"({socket.gethostname()}). Every node of a Ray cluster reads the model from its own file system: put "
+        f"local model directories on storage that every node mounts at the same path (or copy them to that "
+        f"path on every node), or name the model by a hub id or builtin: name, which each node resolves itself"
+    )
+
+
+def _materialize_in_subprocess(name: str) -> Path:
+    """``materialize_model(name)`` in a new Python process, for a caller that is a rank of a
+    torch.distributed group (a worker): transformers' ``save_pretrained`` writes the model's files
+    only on rank 0 of an initialised group, so a build in rank 1 would have no weights."""
+    import subprocess
+    import sys
+
+    target = model_cache_dir(name)
+    if target.is_dir():
+        return target
+    scrubbed = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in scrubbed}
+    done = subprocess.run([sys.executable, "-m", "easyvlm.builtin.models", name], env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not target.is_dir():
+        raise ModelNotFoundError(
+            f"building {BUILTIN_PREFIX}{name} into this node's cache ({cache_root()}) failed "
+            f"(python -m easyvlm.builtin.models {name}, exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return target
+
+
 def _download_from_hub(repo_id: str) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
@@ -488,6 +537,12 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     torch.manual_seed(spec.seed)
     model = getattr(transformers, FAMILIES[spec.family][1])(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    if not (out_dir / "config.json").is_file():  # never commit a build without weights to the cache
+        raise RuntimeError(
+            f"building {name or spec}: save_pretrained wrote no model files; transformers writes them only on rank 0 "
+            f"of an initialised torch.distributed group: build in a process without one "
+            f"(python -m easyvlm.builtin.models {name})"
+        )
     # Only ids: vLLM takes sampling defaults (temperature, top_p ...) from this file.
     GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],

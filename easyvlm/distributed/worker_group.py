@@ -10,13 +10,16 @@ The driver holds no model. It talks to a role (actor+rollout+ref, critic) throug
   rank of each group answers for it.
 
 Placement: a Ray placement group with one bundle per device (``{"GPU": 1, "CPU": c}`` on GPUs,
-``{"CPU": c}`` on the CPU), packed onto ``nnodes`` nodes. The same code runs on one laptop CPU and on
-a multi-node cluster started with ``ray start`` (``RAY_ADDRESS`` / ``trainer.ray_address``).
+``{"CPU": c}`` on the CPU), strategy PACK: Ray fills a node before it takes the next, so ranks span
+as few nodes as hold their bundles (on GPU nodes with ``n_gpus_per_node`` GPUs each: ``nnodes``
+nodes). The same code runs on one laptop CPU and on a multi-node cluster started with ``ray start``
+(``RAY_ADDRESS`` / ``trainer.ray_address``); ``WorkerGroup.nodes`` says where each rank runs.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +50,12 @@ def cpu_threads(cpus: float) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else max(1, int(cpus))
 
 
+def node_info() -> dict[str, str]:
+    """Where the calling Ray process runs: its node's Ray id, IP address and host name."""
+    return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname()}
+
+
 class _RankHost:
     """The Ray actor body: sets the torch.distributed env vars, then builds the user's worker."""
 
@@ -73,6 +82,17 @@ class _RankHost:
     @staticmethod
     def node_address() -> tuple[str, int]:
         return ray.util.get_node_ip_address(), find_free_port()
+
+    @staticmethod
+    def node() -> dict[str, str]:
+        return node_info()
+
+    @staticmethod
+    def peak_rss() -> int:
+        """This rank's peak resident bytes so far (``perf/peak_rss_gb/<group>``)."""
+        from easyvlm.utils.memory import peak_rss_bytes
+
+        return peak_rss_bytes()
 
 
 class WorkerGroup:
@@ -117,6 +137,8 @@ class WorkerGroup:
         self.workers = [start(rank, addr, port) for rank in range(self.world_size)]
         try:
             ray.get([w.build.remote(factory) for w in self.workers])
+            # rank r's node: node_id (Ray's), ip, host
+            self.nodes: list[dict[str, str]] = ray.get([w.node.remote() for w in self.workers])
         except BaseException:  # free the devices, so that the process can start another run
             self.shutdown()
             raise
@@ -152,3 +174,26 @@ class WorkerGroup:
             ray.kill(w)
         if self._owns_pg:
             ray.util.remove_placement_group(self.pg)
+
+
+def placement_report(groups: dict[str, list[dict[str, str]]], actors: dict[str, dict[str, str]], nnodes: int) -> list[str]:
+    """Lines that say where a run's processes are: ``groups`` maps a group's name to its ranks' nodes
+    (`WorkerGroup.nodes`), ``actors`` a single actor's name to its node (`node_info`). Nothing for a
+    run on one node that asked for one (``trainer.nnodes``)."""
+    everything = [node for nodes in groups.values() for node in nodes] + list(actors.values())
+    if len({node["node_id"] for node in everything}) <= 1 and nnodes <= 1:
+        return []
+
+    def where(node: dict[str, str]) -> str:
+        return f"node {node['node_id'][:12]} ({node['ip']}, {node['host']})"
+
+    parts = [f"{name} rank {rank} -> {where(node)}" for name, nodes in groups.items() for rank, node in enumerate(nodes)]
+    parts += [f"{name} -> {where(node)}" for name, node in actors.items()]
+    lines = ["placement: " + "; ".join(parts)]
+    for name, nodes in groups.items():
+        spanned = len({node["node_id"] for node in nodes})
+        if spanned != nnodes:
+            lines.append(f"note: trainer.nnodes={nnodes} but the {len(nodes)} {name} ranks run on {spanned} node(s): Ray "
+                         "packs ranks onto the nodes that have room for them (trainer.nnodes x n_gpus_per_node only "
+                         "sets how many ranks there are)")
+    return lines

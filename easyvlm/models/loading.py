@@ -164,7 +164,7 @@ def load_model(
         if on_meta:
             with torch.device("meta"):
                 return auto_cls.from_config(hf_config, **kwargs)
-        return auto_cls.from_pretrained(spec.model_dir, config=hf_config, **kwargs)
+        return auto_cls.from_pretrained(spec.local_dir(), config=hf_config, **kwargs)  # this node's files
 
     if role == "policy":
         model = build(AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)

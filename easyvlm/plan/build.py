@@ -2,7 +2,10 @@
 
 What happens here and nowhere else:
 - local paths become absolute (Ray workers do not share the driver's working directory) and
-  ``file.py:func`` plug-ins are resolved;
+  ``file.py:func`` plug-ins are resolved; the plug-ins that run in Ray workers (reward functions,
+  a policy loss) carry their file's text, and models their config name beside the driver's
+  directory, so that a worker on another node of a cluster needs neither the driver's files nor its
+  caches (docs/cluster.md);
 - the policy's files are loaded once: its transformers config (``override_config`` applied), its
   tokenizer and processor (``trust_remote_code`` honoured), the token ids every role agrees on;
 - the checks that need the model or the device (`model_problems`) run, still before Ray starts;
@@ -39,7 +42,7 @@ from easyvlm.plan.specs import (
     TokenIds,
     UpdateSpec,
 )
-from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
+from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source, resolve_plugin_spec
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,9 @@ def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBun
 
     assert model.model_path, "validate() requires worker.actor.model.model_path"
     spec = model_spec(model, resolve_model_path(model.model_path), trainable_lora=True)
-    tokenizer_dir = (
-        spec.model_dir if model.tokenizer_path in (None, model.model_path) else resolve_model_path(model.tokenizer_path)
-    )
+    same_tokenizer = model.tokenizer_path in (None, model.model_path)
+    tokenizer_dir = spec.model_dir if same_tokenizer else resolve_model_path(model.tokenizer_path)
+    tokenizer_path = model.model_path if same_tokenizer else model.tokenizer_path
     tokenizer, processor = load_tokenizer_and_processor(tokenizer_dir, model.trust_remote_code)
     try:
         generation_config = GenerationConfig.from_pretrained(spec.model_dir)
@@ -156,7 +159,7 @@ def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBun
         )
     except ValueError as err:
         raise ConfigError([Problem(f"{key}.tokenizer_path", str(err))]) from err
-    return ModelBundle(spec, tokenizer, processor, generation_config, tokens, tokenizer_dir)
+    return ModelBundle(spec, tokenizer, processor, generation_config, tokens, tokenizer_dir, tokenizer_path)
 
 
 def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: str = "worker.actor.model") -> ModelSpec:
@@ -181,6 +184,7 @@ def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: st
         lora=lora_spec,
         freeze_vision_tower=model.freeze_vision_tower,
         gradient_checkpointing=model.enable_gradient_checkpointing,
+        model_path=model.model_path or "",
     )
 
 
@@ -232,6 +236,8 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
             tau_positive=actor.tau_positive,
             tau_negative=actor.tau_negative,
             loss_avg_mode=actor.loss_avg_mode,
+            # a file.py:func loss runs in the workers, maybe on nodes without the file: its text travels
+            source=read_plugin_source(actor.loss_type) if is_plugin_spec(actor.loss_type) else None,
         ),
         kl_loss=KLLossSpec(algo.kl_coef, algo.kl_penalty) if derived.kl_in_loss else None,
         entropy_coeff=actor.entropy_coeff,
@@ -298,7 +304,7 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
         seed=r.seed,
         max_model_len=derived.rollout_max_model_len,
         max_num_batched_tokens=r.max_num_batched_tokens,
-        max_num_seqs=r.max_num_seqs,
+        max_num_seqs=derived.rollout_max_num_seqs,
         gpu_memory_utilization=r.gpu_memory_utilization,
         enforce_eager=r.enforce_eager,
         enable_chunked_prefill=r.enable_chunked_prefill,
@@ -307,6 +313,9 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
         disable_log_stats=r.disable_log_stats,
         disable_tqdm=r.disable_tqdm,
         mm_processor_kwargs=mm,
+        sequence_tokens=data.max_prompt_length + data.max_response_length,
+        model_path=bundle.policy.model_path,
+        tokenizer_path=bundle.tokenizer_path,
     )
     return RolloutSpec(
         engine=engine,
@@ -458,7 +467,9 @@ def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpe
     engine = dataclasses.replace(
         policy_rollout.engine, name=j.engine, model_dir=bundle.policy.model_dir, hf_config=bundle.policy.hf_config,
         hf_config_overrides={}, tokenizer_dir=bundle.tokenizer_dir, trust_remote_code=j.trust_remote_code,
-        max_model_len=j.max_prompt_length + j.max_tokens, mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),
+        model_path=bundle.policy.model_path, tokenizer_path=bundle.tokenizer_path,
+        max_model_len=j.max_prompt_length + j.max_tokens, sequence_tokens=j.max_prompt_length + j.max_tokens,
+        mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),
         tensor_parallel_size=1,
     )
     rollout = RolloutSpec(engine=engine, sampling=sampling, val_sampling=sampling, response_length=j.max_tokens,

@@ -47,6 +47,16 @@ class ModelSpec:
     """None: no adapters (full fine-tuning, and always for the reference model and the critic)."""
     freeze_vision_tower: bool
     gradient_checkpointing: bool
+    model_path: str = ""
+    """The model as the config names it (``builtin:<name>``, a hub id or an absolute local
+    directory); "" = only ``model_dir`` is known. Workers read ``local_dir()``."""
+
+    def local_dir(self) -> str:
+        """``model_dir`` on the machine of the calling process: on another node of a cluster the
+        model is resolved there (``easyvlm.builtin.models.local_model_dir``)."""
+        from easyvlm.builtin.models import local_model_dir
+
+        return local_model_dir(self.model_dir, self.model_path)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,8 @@ class ModelBundle:
     tokenizer_dir: str
     """Where the tokenizer and processor were loaded from (the model directory unless
     ``tokenizer_path`` names another)."""
+    tokenizer_path: str = ""
+    """``tokenizer_dir`` as the config names it (see `ModelSpec.model_path`)."""
 
 
 # ------------------------------------------------------------------------------------- forward passes
@@ -140,6 +152,8 @@ class PolicyLossSpec:
     tau_positive: float
     tau_negative: float
     loss_avg_mode: str
+    source: Optional[str] = field(default=None, repr=False)
+    """A plug-in's file text, read in the driver: the worker runs it without a copy of the file."""
 
     def __call__(
         self, logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, normalizer: float,
@@ -161,7 +175,7 @@ class PolicyLossSpec:
             normalizer=normalizer,
             rollout_is_weights=rollout_is_weights,
         )
-        return get_policy_loss(self.name)(inputs)
+        return get_policy_loss(self.name, self.source)(inputs)
 
 
 @dataclass(frozen=True)
@@ -233,6 +247,7 @@ class EngineSpec:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    """``worker.rollout.max_num_seqs``, or the work's (``Derived.rollout_max_num_seqs``)."""
     gpu_memory_utilization: float
     enforce_eager: bool
     enable_chunked_prefill: bool
@@ -242,6 +257,23 @@ class EngineSpec:
     disable_tqdm: bool
     mm_processor_kwargs: dict = field(default_factory=dict)
     """Keeps vLLM's image sizes equal to the data pipeline's (``easyvlm.data.images``)."""
+    sequence_tokens: int = 0
+    """The longest a request gets, prompt and response (data.max_prompt_length +
+    data.max_response_length); the CPU KV cache holds ``max_num_seqs`` of them. 0 = ``max_model_len``."""
+    model_path: str = ""
+    tokenizer_path: str = ""
+    """``model_dir`` and ``tokenizer_dir`` as the config names them (see `ModelSpec.model_path`);
+    the engine loads ``local_model_dir()`` and ``local_tokenizer_dir()``."""
+
+    def local_model_dir(self) -> str:
+        from easyvlm.builtin.models import local_model_dir
+
+        return local_model_dir(self.model_dir, self.model_path)
+
+    def local_tokenizer_dir(self) -> str:
+        from easyvlm.builtin.models import local_model_dir
+
+        return local_model_dir(self.tokenizer_dir, self.tokenizer_path)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,15 @@ passes::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from easyvlm.data.batch import Batch
 from easyvlm.rewards.manager import RewardManager, RewardSettings
 from easyvlm.rewards.types import RewardInput, RewardResult
+
+if TYPE_CHECKING:  # the actor's process never imports torch (~0.5 GiB resident): Batch is the driver's
+    from easyvlm.data.batch import Batch
 
 
 class RewardActor:
@@ -32,6 +34,22 @@ class RewardActor:
 
     def close(self) -> None:
         self.manager.close()
+
+    @staticmethod
+    def node() -> dict[str, str]:
+        """Where this actor runs, as ``easyvlm.distributed.worker_group.node_info`` says it (not
+        imported from there: that module imports torch, which this process otherwise never loads)."""
+        import socket
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "host": socket.gethostname()}
+
+    @staticmethod
+    def peak_rss() -> int:
+        """This process's peak resident bytes (``perf/peak_rss_gb/reward``)."""
+        from easyvlm.utils.memory import peak_rss_bytes
+
+        return peak_rss_bytes()
 
 
 def create_reward_actor(settings: RewardSettings, num_cpus: int, name: str | None = None) -> "ray.actor.ActorHandle":

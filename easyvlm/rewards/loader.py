@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from easyvlm.rewards.types import RewardError
-from easyvlm.utils.plugins import PluginError, load_plugin, parse_plugin_spec
+from easyvlm.utils.plugins import PluginError, load_plugin, parse_plugin_spec, read_plugin_source
 
 DEFAULT_FUNCTION_NAME = "main"  # EasyR1's default when the spec has no ":func"
 REWARD_TYPES = ("batch", "sequential")
@@ -28,21 +28,27 @@ class RewardFunctionSpec:
     reward_function_kwargs: keyword arguments bound to every call.
     weight: weight of this function's ``overall`` in the combined ``overall``.
     reward_type: "batch" | "sequential" | None (= the file's ``REWARD_TYPE``, else "batch").
+    source: the file's text, read by :meth:`resolved` in the driver: the reward actor and its worker
+        processes run this text, so they need no copy of the file (on a cluster they may run on a
+        node that has none).
     """
 
     reward_function: str
     reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
     weight: float = 1.0
     reward_type: str | None = None
+    source: str | None = field(default=None, repr=False, compare=False)
 
     def resolved(self) -> "RewardFunctionSpec":
-        """The same spec with an absolute path and an explicit function name (resolve in the driver,
-        before the spec travels to a Ray actor whose working directory differs)."""
+        """The same spec with an absolute path, an explicit function name and the file's text
+        (resolve in the driver, before the spec travels to a Ray actor whose working directory, or
+        whose machine, differs). A spec that has its text keeps it."""
         try:
             parsed = parse_plugin_spec(self.reward_function, DEFAULT_FUNCTION_NAME)
         except PluginError as exc:
             raise RewardError(f"reward function {self.reward_function!r}: {exc}", self.reward_function) from exc
-        return RewardFunctionSpec(str(parsed), dict(self.reward_function_kwargs), self.weight, self.reward_type)
+        source = self.source if self.source is not None else read_plugin_source(str(parsed))
+        return RewardFunctionSpec(str(parsed), dict(self.reward_function_kwargs), self.weight, self.reward_type, source)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ def load_reward_function(spec: RewardFunctionSpec) -> LoadedReward:
     spec = spec.resolved()
     where = f"reward function {spec.reward_function}"
     try:
-        fn, module = load_plugin(spec.reward_function, DEFAULT_FUNCTION_NAME)
+        fn, module = load_plugin(spec.reward_function, DEFAULT_FUNCTION_NAME, spec.source)
     except PluginError as exc:
         raise RewardError(f"{where}: {exc}", spec.reward_function) from exc
 

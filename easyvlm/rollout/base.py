@@ -154,10 +154,12 @@ class RolloutEngine(ABC):
         """Load new weights, named as in the transformers model's in-memory ``state_dict()``."""
 
     def sleep(self) -> None:
-        """Release accelerator memory (weights and KV cache) for the actor's turn. No-op on the CPU."""
+        """Release accelerator memory (weights and KV cache) for the actor's turn. On the CPU, vLLM
+        releases its KV cache's pages (the transformers engine holds none)."""
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Take the memory back before ``update_weights``/``generate``. No-op on the CPU.
+        """Take the memory back before ``update_weights``/``generate`` (on the CPU: vLLM returns the
+        heap's free memory first; the KV pages come back as generation writes them).
 
         tags: None = everything; ``["weights"]`` first, then ``["kv_cache"]`` keeps the peak lower
         (weights can be synced before the KV cache is allocated).

@@ -7,8 +7,8 @@ from easyvlm.rollout.base import RolloutEngine
 
 
 def build_rollout(spec: RolloutSpec) -> RolloutEngine:
-    """The engine ``spec.engine.name`` names, loading ``spec.engine.model_dir``; the actor's weights
-    arrive later through ``update_weights``."""
+    """The engine ``spec.engine.name`` names, loading the model's files on this machine
+    (``spec.engine.local_model_dir()``); the actor's weights arrive later through ``update_weights``."""
     common = dict(
         sampling=spec.sampling,
         response_length=spec.response_length,
@@ -25,7 +25,7 @@ def build_rollout(spec: RolloutSpec) -> RolloutEngine:
 
     engine = spec.engine
     return HFRolloutEngine(
-        engine.model_dir,
+        engine.local_model_dir(),
         hf_config=engine.hf_config,
         trust_remote_code=engine.trust_remote_code,
         dtype=engine.dtype,

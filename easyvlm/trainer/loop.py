@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_contr
 from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
 from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
-from easyvlm.distributed.worker_group import Resources, WorkerGroup
+from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
 from easyvlm.plan.build import RunPlan
 from easyvlm.plan.specs import with_total_steps
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
@@ -46,11 +47,12 @@ from easyvlm.trainer.metrics import (
 )
 from easyvlm.trainer.plot import write_learning_curve
 from easyvlm.trainer.tracking import Generation, Tracker, data_order_log
+from easyvlm.utils.memory import peak_rss_bytes, peak_rss_metrics
 from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
 from easyvlm.viewer.records import RolloutCapture, capture_rollouts
 from easyvlm.viewer.writer import RolloutWriter
 from easyvlm.workers.actor import update_is_on_policy
-from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost
+from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost, RolloutHost
 
 logger = logging.getLogger("easyvlm")
 
@@ -102,18 +104,32 @@ class Trainer:
         self.reward_model: WorkerGroup | None = None
         self.reward_model_scores: RewardModelScores | None = None
         self.judge: Judge | None = None
+        self.rollout_group: WorkerGroup | None = None  # worker.rollout.placement=separate
+        # one_step_off: the next step's generation runs in this thread while the step trains
+        self._background = ThreadPoolExecutor(1, "easyvlm-rollout") if self.cfg.worker.rollout.one_step_off else None
+        self._prefetched: tuple[Batch, Future] | None = None
+        self._policy_version = 0  # actor updates applied (and checkpoint loads)
+        self._rollout_version = -1  # the version the separate rollout group holds
         self._scorer_metrics: dict[str, float] = {}  # the step's reward model and judge metrics
+        self._peak_asks: dict[str, list] = {}  # perf/peak_rss_gb: questions not answered yet (a busy group's)
+        self._peaks: dict[str, list[int]] = {}  # each process's last answer, bytes (a group's by rank)
         # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
         share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
         actor = with_total_steps(plan.actor, self.total_steps)
         try:
             if plan.judge is not None:
                 self.judge = Judge(plan.judge)
-            self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, plan.rollout), share=share)
+            separate = self.cfg.worker.rollout.placement == "separate"
+            engines = None if separate else plan.rollout  # colocated: each hybrid rank holds an engine
+            self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, engines), share=share)
+            if separate:  # the engines on their own devices: as many ranks as worker.rollout.num_devices
+                rollout_resources = dataclasses.replace(resources, world_size=self.cfg.worker.rollout.num_devices) \
+                    if resources is not None else None
+                self.rollout_group = WorkerGroup("rollout", rollout_resources, partial(RolloutHost, plan.rollout))
             # every generation goes through here: one engine call, or the multi-turn loop with tools
-            hybrid = self.hybrid
+            engine_group = self.rollout_group or self.hybrid
             self.rollout = DriverRollout(plan, getattr(train_loader.dataset, "encoder", None),
-                                         lambda batch, sampling: hybrid.dispatch("generate", batch, sampling=sampling))
+                                         lambda batch, sampling: engine_group.dispatch("generate", batch, sampling=sampling))
             if plan.critic is not None:
                 critic = partial(CriticHost, with_total_steps(plan.critic, self.total_steps))
                 self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
@@ -128,6 +144,13 @@ class Trainer:
         except BaseException:
             self.shutdown()
             raise
+
+    def placement(self) -> list[str]:
+        """Where the ranks and the reward actor run, when the run spans nodes (nothing on one node):
+        ``easyvlm.distributed.worker_group.placement_report``."""
+        groups = {name: group.nodes for name, group in (("hybrid", self.hybrid), ("rollout", self.rollout_group))
+                  if group is not None}
+        return placement_report(groups, {"reward actor": ray.get(self.reward_actor.node.remote())}, self.cfg.trainer.nnodes)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -159,9 +182,13 @@ class Trainer:
                 curve_rows.append(_curve_row(0, last_metrics))
             if cfg.val_only:
                 return last_metrics
-            for prompts in self._prompt_batches():
+            self._prompt_iter = prompt_iter = self._prompt_batches()
+            while True:
+                # one_step_off: this step's prompts may already be generating (started last step)
+                prompts, pending = self._prefetched or (next(prompt_iter), None)
+                self._prefetched = None
                 self.global_step += 1
-                metrics = self.train_step(prompts)
+                metrics = self.train_step(prompts, pending)
                 if order_log is not None:  # the prompts of every generation round of the step
                     order_log.log(self.global_step, {"uids": self._step_uids})
                 is_last = self.global_step >= self.total_steps
@@ -171,6 +198,7 @@ class Trainer:
                 if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or is_last):
                     with timed("save_checkpoint", metrics):
                         self.save_checkpoint(metrics.get("val/reward_score"))
+                metrics.update(self._peak_memory())
                 tracker.log(self.global_step, metrics)
                 curve_rows.append(_curve_row(self.global_step, metrics))
                 last_metrics = metrics
@@ -208,13 +236,32 @@ class Trainer:
             if not yielded:
                 raise RuntimeError("the training dataloader produced no batch; check data.train_files and rollout_batch_size")
 
-    def train_step(self, prompts: Batch) -> dict[str, float]:
+    def train_step(self, prompts: Batch, pending: Future | None = None) -> dict[str, float]:
+        """One step on ``prompts``; ``pending``: their generation, started during the last step
+        (worker.rollout.one_step_off), else they are generated now."""
         metrics: dict[str, float] = {}
         algo = self.cfg.algorithm
         with timed("step", metrics):
-            # 1. generate (+ rewards; with online filtering, until enough groups carry signal)
+            # 1. generate (+ rewards; with online filtering, until enough groups carry signal).
+            # one_step_off: wait for the generation started last step (timing_s/gen is the wait, the
+            # generation's own time is timing_s/gen_async), then start the next one with the current
+            # weights before this step trains
             with timed("gen", metrics):
-                batch, reward_ref = self._generate(prompts, metrics)
+                if pending is not None:
+                    batch, reward_ref, gen_metrics = pending.result()
+                    metrics.update(gen_metrics)
+                else:
+                    self._sync_rollout(metrics)
+                    batch, reward_ref = self._generate(prompts, metrics, self.global_step)
+            self._step_uids = list(dict.fromkeys(batch["uid"]))
+            if self._may_prefetch():
+                self._sync_rollout(metrics)
+                following = next(self._prompt_iter)
+                self._prefetched = (following, self._background.submit(self._generate_ahead, following, self.global_step + 1))
+            if "rollout_version" in batch:  # separate engines: how many updates behind the samples are
+                staleness = (self._policy_version - batch["rollout_version"]).float()
+                metrics["rollout/staleness_mean"] = float(staleness.mean())
+                metrics["rollout/staleness_max"] = float(staleness.max())
             batch["group_ids"] = core.group_ids_from_uids(batch["uid"])
             if algo.adv_estimator == "remax":
                 with timed("gen_baseline", metrics):
@@ -281,6 +328,7 @@ class Trainer:
                 actor_batch = self._corrected(update_batch, metrics) if self.correction.active else update_batch
                 with timed("update_actor", metrics):
                     metrics.update(_rank0_metrics(self.hybrid.dispatch_collect("update_actor", actor_batch, self.actor_sp)))
+                self._policy_version += 1
 
         prompt_mask = batch["attention_mask"][:, : batch["prompts"].shape[1]].bool()
         mask = batch["response_mask"].bool()
@@ -314,8 +362,27 @@ class Trainer:
             actor_batch["rollout_is_weights"] = weights
         return actor_batch
 
+    def _peak_memory(self) -> dict[str, float]:
+        """``perf/peak_rss_gb/<process>``: the peak resident memory so far of the driver, of each worker
+        group (its largest rank's) and of the reward actor (``easyvlm.utils.memory``). A group busy
+        with the next step's generation in the background (``one_step_off``: the rollout group and the
+        reward actor) is not waited for: it answers a later step, and its last answer is logged meanwhile."""
+        groups = {"hybrid": self.hybrid, "critic": self.critic, "reward_model": self.reward_model,
+                  "rollout": self.rollout_group}
+        for name, group in groups.items():
+            if group is not None and name not in self._peak_asks:
+                self._peak_asks[name] = [w.peak_rss.remote() for w in group.workers]
+        self._peak_asks.setdefault("reward", [self.reward_actor.peak_rss.remote()])
+        for name, refs in list(self._peak_asks.items()):
+            busy = name in ("rollout", "reward") and getattr(self, "_background", None) is not None
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if busy else None)
+            if len(ready) == len(refs):
+                self._peaks[name] = ray.get(refs)
+                del self._peak_asks[name]
+        return peak_rss_metrics({"driver": peak_rss_bytes(), **self._peaks})
+
     # ------------------------------------------------------------------ generation and rewards
-    def _generate(self, prompts: Batch, metrics: dict[str, float]) -> tuple[Batch, Any]:
+    def _generate(self, prompts: Batch, metrics: dict[str, float], step: int) -> tuple[Batch, Any]:
         """The step's rollout batch of ``data.rollout_batch_size`` prompt groups, and its reward: Ray
         refs of the rounds' results, or the result itself when online filtering needed it.
 
@@ -339,7 +406,7 @@ class Trainer:
                     f"'{algo.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
-            batch = self.rollout.generate(self._seeded(next(iterator), TRAIN_CALL, self.global_step, rounds - 1))
+            batch = self.rollout.generate(self._seeded(next(iterator), TRAIN_CALL, step, rounds - 1))
             reward_ref = self.reward_actor.compute.remote(self._reward_inputs(batch, training=True))
             if not algo.online_filtering:  # every group is kept (rounds divide the step: validate)
                 kept.append(batch)
@@ -361,10 +428,38 @@ class Trainer:
         if algo.online_filtering or rounds > 1:
             metrics["online_filtering/rounds" if algo.online_filtering else "generation/rounds"] = float(rounds)
         batch = kept[0] if len(kept) == 1 else core.concat_rollouts(kept, self.plan.bundle.tokens.pad)
-        self._step_uids = list(dict.fromkeys(batch["uid"]))
         if algo.online_filtering:
             return batch, _concat_results(results)
         return batch, results  # refs: collected after the log-prob passes
+
+    def _generate_ahead(self, prompts: Batch, step: int) -> tuple[Batch, Any, dict[str, float]]:
+        """``_generate`` for step ``step``, run in the background thread (one_step_off). It talks to
+        the rollout group and the reward actor only; the hybrid group is the main thread's."""
+        metrics: dict[str, float] = {}
+        with timed("gen_async", metrics):
+            batch, reward_ref = self._generate(prompts, metrics, step)
+        return batch, reward_ref, metrics
+
+    def _may_prefetch(self) -> bool:
+        """one_step_off: start the next step's generation now, unless this step is the last or saves
+        a checkpoint (whose data-loader state must not include the next step's prompts)."""
+        t = self.cfg.trainer
+        if self._background is None or self.global_step >= self.total_steps:
+            return False
+        return not (t.save_freq > 0 and self.global_step % t.save_freq == 0)
+
+    def _sync_rollout(self, metrics: dict[str, float] | None = None) -> None:
+        """Send the actor's weights to the separate rollout group if they changed since the last
+        time (main thread only: the call is collective on the hybrid ranks)."""
+        if self.rollout_group is None or self._rollout_version == self._policy_version:
+            return
+        start = time.perf_counter()
+        refs = self.hybrid.call_all_async("weights_for_sync")  # full weights on rank 0, None elsewhere
+        self.rollout_group.call_all("load_weights", refs[0], self._policy_version)
+        ray.get(refs[1:])
+        self._rollout_version = self._policy_version
+        if metrics is not None:
+            metrics["timing_s/weight_sync"] = metrics.get("timing_s/weight_sync", 0.0) + time.perf_counter() - start
 
     def _reward_inputs(self, batch: Batch, training: bool = False) -> list:
         """The reward functions' inputs; with ``worker.reward_model``, its scores first (``training``:
@@ -404,6 +499,7 @@ class Trainer:
     def _greedy_baseline(self, prompts: Batch, batch: Batch) -> torch.Tensor:
         """ReMax (arXiv:2310.10505): the reward of one greedy response per prompt, per sample."""
         greedy_sampling = dataclasses.replace(self.plan.rollout.sampling, n=1, temperature=0.0)
+        self._sync_rollout()
         greedy = self.rollout.generate(prompts, greedy_sampling)
         result = ray.get(self.reward_actor.compute.remote(self._reward_inputs(greedy)))
         by_uid = dict(zip(greedy["uid"], result.overall))
@@ -418,6 +514,7 @@ class Trainer:
         trajectories: list[dict] = []
         captures: list[RolloutCapture] = []
         sampling: Sampling = self.plan.rollout.val_sampling
+        self._sync_rollout()  # the current weights (queued after a one_step_off generation in flight)
         for index, prompts in enumerate(self.val_loader):
             rollout = self.plan.rollout
             prompts = core.validation_prompts(prompts, rollout.per_request_seed, self.cfg.worker.rollout.seed, self.global_step, index)
@@ -471,6 +568,7 @@ class Trainer:
             self.critic.call_all("load_checkpoint", str(path))
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["dataloader"])
+        self._policy_version += 1  # the separate rollout group needs the loaded weights
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.reward_model_scores is not None and "reward_model_scores" in state:
             self.reward_model_scores.load_state_dict(state["reward_model_scores"])
@@ -482,10 +580,12 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop this run's Ray actors and free their resources. Ray itself stays up, so a process
         can run one trainer after another (the end-to-end tests do)."""
-        for group in (self.reward_model, self.critic, self.hybrid):
+        if self._background is not None:  # a generation in flight fails against the killed actors
+            self._background.shutdown(wait=False, cancel_futures=True)
+        for group in (self.rollout_group, self.reward_model, self.critic, self.hybrid):
             if group is not None:
                 group.shutdown()
-        self.reward_model = self.critic = self.hybrid = None
+        self.rollout_group = self.reward_model = self.critic = self.hybrid = None
         ray.kill(self.reward_actor)
         if self.judge is not None:
             self.judge.close()

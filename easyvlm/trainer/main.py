@@ -24,7 +24,8 @@ from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.errors import ConfigError
 from easyvlm.plan.build import RunPlan, build_plan, pick_device
 
-# what Ray workers need to see from the driver's environment
+# what Ray workers need to see from the driver's environment (on a cluster joined through an
+# address, without _NODE_PATHS: paths of the driver's machine; each node has its own)
 _FORWARDED_ENV = (
     "HF_HUB_OFFLINE",
     "HF_HOME",
@@ -35,6 +36,7 @@ _FORWARDED_ENV = (
     "PYTHONPATH",
     "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
 )
+_NODE_PATHS = ("HF_HOME", "EASYVLM_CACHE", "PYTHONPATH")
 EXIT_DATA_ERROR = 2
 
 
@@ -50,12 +52,19 @@ def start_ray(plan: RunPlan) -> Any:
     if ray.is_initialized():
         return ray
     if address:
+        # the nodes' caches and import paths are their own (set by each node's `ray start`): builtin
+        # and hub models are resolved on each node, reward and loss files travel in the run plan
+        env = {k: v for k, v in env.items() if k not in _NODE_PATHS}
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
     else:
         # logical CPUs: one per training process plus the reward actor's; the OS shares the cores
         cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + cfg.worker.reward.num_cpus
         cpus += cfg.worker.judge.num_workers if cfg.worker.judge.enable else 0  # one per judge engine
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env})
+        if cfg.worker.rollout.placement == "separate":  # the rollout group's devices, as many CPUs as a rank's
+            cpus += cfg.worker.rollout.num_devices * max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node)
+        # every easyvlm process is an actor started on demand: no idle workers started ahead (~80 MiB each)
+        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env},
+                 _system_config={"prestart_worker_first_driver": False})
     return ray
 
 
@@ -98,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     resources = Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
     trainer = Trainer(plan, train_loader, val_loader, resources, resume_from)
     try:
+        for line in trainer.placement():  # on a multi-node cluster: which node runs each rank
+            sys.stderr.write(f"easyvlm: {line}\n")
         metrics = trainer.fit()
     finally:
         trainer.shutdown()

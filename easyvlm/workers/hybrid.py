@@ -24,14 +24,17 @@ from easyvlm.workers.ref import RefWorker
 
 
 class HybridWorker:
-    def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: RolloutSpec):
+    """rollout: None when the engines live in their own group (``worker.rollout.placement=separate``,
+    `RolloutHost`); then the driver sends them ``weights_for_sync()`` after each update."""
+
+    def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: Optional[RolloutSpec]):
         self.rank, self.world_size = init_distributed()
         ulysses = new_ulysses_group(actor.forward.ulysses_size)  # the reference model follows the actor's
         self.actor = ActorWorker(actor, rank=self.rank, world_size=self.world_size, ulysses=ulysses)
         self.ref = RefWorker(ref, rank=self.rank, world_size=self.world_size, ulysses=ulysses) if ref is not None else None
         if self.ref is not None:
             self.actor.reference_distribution = self.ref.log_distribution  # the full KL's, in-process
-        self.rollout = build_rollout(rollout)
+        self.rollout = build_rollout(rollout) if rollout is not None else None
         self._policy_version = 0  # bumped by every actor update
         self._synced_version = -1  # the version the rollout engine holds
 
@@ -39,6 +42,7 @@ class HybridWorker:
     def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
         """Sample responses with the actor's current weights (synced first if they changed).
         sampling: None = the plan's training sampling (e.g. the plan's validation sampling)."""
+        assert self.rollout is not None, "generate: the rollout engines are a separate group (worker.rollout.placement)"
         if self._synced_version != self._policy_version:
             self.rollout.wake_up(["weights"])
             self.rollout.update_weights(self.actor.state_dict_for_sync().items())
@@ -50,6 +54,12 @@ class HybridWorker:
         out = self.rollout.generate(batch, sampling)
         self.rollout.sleep()
         return out
+
+    def weights_for_sync(self) -> dict[str, torch.Tensor] | None:
+        """The actor's full weights (CPU, transformers names) on rank 0, None elsewhere: for the separate
+        rollout group. Collective: call it on every rank."""
+        state = self.actor.state_dict_for_sync()
+        return state if self.rank == 0 else None
 
     # ------------------------------------------------------------------ experience and update
     def compute_logprobs(self, batch: Batch) -> Batch:
@@ -81,6 +91,32 @@ class HybridWorker:
 
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
+
+    @staticmethod
+    def threads() -> int:
+        return torch.get_num_threads()
+
+
+class RolloutHost:
+    """A rollout engine on its own device (``worker.rollout.placement=separate``): no actor, no
+    process group. It samples with the last weights the driver sent (``load_weights``) and tags
+    every sample with their version, so the driver can log how stale each step's samples are."""
+
+    def __init__(self, spec: RolloutSpec):
+        self.rollout = build_rollout(spec)
+        self.version = -1  # the engine's weights are the checkpoint's until the first load_weights
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.rollout.wake_up(["weights"])
+        self.rollout.update_weights(state.items())
+        self.version = version
+
+    def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
+        """Like HybridWorker.generate, plus ``rollout_version`` (B,): the weights' version per sample."""
+        self.rollout.wake_up(["kv_cache"])
+        out = self.rollout.generate(batch, sampling)
+        out["rollout_version"] = torch.full((len(out),), self.version, dtype=torch.long)
+        return out
 
     @staticmethod
     def threads() -> int:

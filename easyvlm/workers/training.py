@@ -10,6 +10,8 @@ tower in each of them: see ``forward.with_dummy_image``).
 from __future__ import annotations
 
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,31 @@ def save_sharded_checkpoint(
     torch.save({"scheduler": scheduler.state_dict(), "rng": rng_state()}, path / f"extra_state_rank{rank}.pt")
     if world_size() > 1:
         dist.barrier()
+        check_shared_checkpoint_dir(path, rank, world_size())
+
+
+SHARED_DIR_TIMEOUT_S = 30.0  # network file systems may show another client's new file a little later
+NOT_SHARED = ("every rank writes its own shards into trainer.save_checkpoint_path on its own machine, so on a "
+              "multi-node cluster that directory must be on storage that every node (and the driver) mounts at "
+              "the same path, e.g. NFS or a cluster file system")
+
+
+def check_shared_checkpoint_dir(path: Path, rank: int, world: int, timeout: float = SHARED_DIR_TIMEOUT_S) -> None:
+    """After every rank saved into ``path``: raise unless this rank sees every rank's files there.
+
+    On two machines that do not share the directory each rank has written into its own disk, and
+    the checkpoint could not be resumed; this finds it at the first save instead."""
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [r for r in range(world) if not (path / f"extra_state_rank{r}.pt").is_file()]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"checkpoint {path}: rank {rank} (host {socket.gethostname()}) does not see the files of rank(s) "
+                f"{missing} there after {timeout:.0f} s: {NOT_SHARED}"
+            )
+        time.sleep(0.5)
 
 
 def load_sharded_checkpoint(
@@ -140,7 +167,8 @@ def load_sharded_checkpoint(
     extra_file = path / f"extra_state_rank{rank}.pt"
     if not (path / "model_optim").is_dir() or not extra_file.is_file():
         raise FileNotFoundError(
-            f"{path} is not a worker checkpoint of this world size (needs model_optim/ and {extra_file.name})"
+            f"{path} is not a worker checkpoint of this world size (needs model_optim/ and {extra_file.name}) "
+            f"as rank {rank} (host {socket.gethostname()}) sees it; if the driver found it complete: {NOT_SHARED}"
         )
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}

@@ -234,6 +234,36 @@ def test_resolve_missing_local_path(tmp_path):
         resolve_model_path(str(tmp_path / "nope"))
 
 
+def test_a_node_without_the_drivers_directory_resolves_the_model_itself(tmp_path, tiny_model_path, monkeypatch):
+    """``local_model_dir``: what a worker on another node of a cluster loads (the driver's cache and
+    local paths do not exist there)."""
+    from easyvlm.builtin.models import local_model_dir
+
+    gone = str(tmp_path / "driver-cache" / Path(tiny_model_path).name)  # the driver's directory, not on this node
+    assert local_model_dir(tiny_model_path, "builtin:tiny-qwen2.5-vl") == tiny_model_path  # present: used as is
+    assert local_model_dir(gone) == gone  # nothing to resolve: the loader names the path
+    monkeypatch.setenv("EASYVLM_CACHE", str(tmp_path / "node-cache"))  # this node's own cache
+    built = Path(local_model_dir(gone, "builtin:tiny-qwen2.5-vl"))
+    assert built.parent == tmp_path / "node-cache" / "models"
+    # built in another process (a worker is a torch.distributed rank), and the same bytes as the driver's
+    assert _sha256(built / "model.safetensors") == _sha256(Path(tiny_model_path) / "model.safetensors")
+    with pytest.raises(ModelNotFoundError, match="does not exist on this node .*every node mounts at the same path"):
+        local_model_dir(gone, str(tmp_path / "my-model"))
+    with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):  # a hub id: this node's HF cache, then the hub
+        local_model_dir(gone, "easyvlm-test/no-such-model")
+
+
+def test_a_build_on_a_rank_other_than_0_is_refused_not_cached(tmp_path, monkeypatch):
+    """transformers writes model files only on rank 0 of an initialised torch.distributed group: a
+    build there would be a cache entry without weights."""
+    import transformers.distributed.mixin as mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    with pytest.raises(RuntimeError, match="wrote no model files.*rank 0"):
+        build_model(BUILTIN_MODELS["tiny-qwen2.5-vl"], tmp_path, name="tiny-qwen2.5-vl")
+
+
 def test_word_tokens_are_single_ids_after_the_special_tokens_and_decode_unchanged():
     tok = build_tokenizer(("red", "circle"))
     # ids: 256 bytes, then the 8 special tokens (256..263), then the words in order: 264, 265

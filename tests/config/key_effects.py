@@ -47,6 +47,7 @@ ROLLOUT = "tests/rollout/test_rollout_base.py"
 VLLM = "tests/rollout/test_vllm.py"
 
 CORRECTION = "tests/algorithms/test_rollout_correction.py"
+SEPARATE = "tests/trainer/test_e2e_separate_rollout.py::TestSeparateRollout"
 CORRECTION_LOOP = f"{LOOP}::test_rollout_correction_settings_the_loop_applies"
 PLAN = f"{BUILD}::test_keys_reach_their_spec_fields"  # the key's value reaches its field of the run plan
 GPU_ENGINE = f"{VLLM}::test_gpu_engine_settings"  # EngineSpec -> vllm.LLM keyword arguments on GPUs
@@ -374,19 +375,27 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.rollout.per_request_seed", PLAN, f"{LOOP}::test_per_request_seed_seeds_each_generation_call"),
     effects("worker.rollout.limit_images", PLAN, GPU_ENGINE),
     effects("worker.rollout.dtype", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_engine_settings"),
-    effects("worker.rollout.gpu_memory_utilization", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_kv_cache_bytes"),
+    effects("worker.rollout.gpu_memory_utilization", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_kv_cache_bytes",
+            f"{BUILD}::test_checks_that_need_the_device_or_the_model"),
     effects("worker.rollout.ignore_eos", PLAN, f"{HF}::test_ignore_eos_samples_past_eos"),
     effects("worker.rollout.enforce_eager", PLAN, GPU_ENGINE),
     effects("worker.rollout.enable_chunked_prefill", PLAN, GPU_ENGINE, f"{VLLM}::test_seeded_sampling_refuses_chunked_prefill_on_the_cpu"),
     effects("worker.rollout.tensor_parallel_size", PLAN, GPU_ENGINE, f"{BUILD}::test_checks_that_need_the_device_or_the_model"),
     effects("worker.rollout.max_model_len", PLAN, GPU_ENGINE, f"{DERIVED}::test_grpo_values", via=("rollout_max_model_len",)),
     effects("worker.rollout.max_num_batched_tokens", PLAN, GPU_ENGINE),
-    effects("worker.rollout.max_num_seqs", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_kv_cache_bytes"),
+    effects("worker.rollout.max_num_seqs", PLAN, GPU_ENGINE, f"{VLLM}::test_cpu_kv_cache_bytes",
+            f"{DERIVED}::test_engine_sequences_follow_the_work", f"{VLLM}::test_the_engine_holds_the_blocks_of_the_work"),
     effects("worker.rollout.disable_log_stats", PLAN, GPU_ENGINE),
     effects("worker.rollout.disable_tqdm", PLAN, f"{VLLM}::test_disable_tqdm_hides_the_progress_bar"),
     effects("worker.rollout.tools", f"{AGENTS}::test_tool_errors_are_shown_to_the_model_and_counted",
             f"{AGENTS}::test_limits_end_samples", f"{TOOLS}::test_a_tool_without_docstring_or_hint_is_refused_with_its_name"),
     effects("worker.rollout.environment", f"{AGENTS}::test_environment_observations_and_rewards"),
+    # the engines' own worker group, and the asynchronous loop on it (test_loop with fakes, e2e for real)
+    effects("worker.rollout.placement", f"{LOOP}::test_separate_placement_without_one_step_off_syncs_before_each_generation",
+            f"{SEPARATE}::test_synchronous_separate_engines_sample_the_current_policy"),
+    effects("worker.rollout.num_devices", f"{SEPARATE}::test_synchronous_separate_engines_sample_the_current_policy"),
+    effects("worker.rollout.one_step_off", f"{LOOP}::test_one_step_off_generates_the_next_batch_with_the_weights_of_the_last_step",
+            f"{SEPARATE}::test_one_step_off_trains_on_samples_one_update_old"),
     effects("worker.rollout.max_turns", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.max_tokens_per_turn", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.tool_timeout", f"{AGENTS}::test_tool_timeout_comes_from_the_config"),

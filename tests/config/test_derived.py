@@ -106,3 +106,33 @@ def test_derive_validates_and_never_writes_to_the_config():
     assert dataclasses.asdict(cfg) == before
     with pytest.raises(ConfigError, match="data.rollout_batch_size"):
         derive(load_config(ARGS + ["data.rollout_batch_size=60"]))
+
+
+def test_engine_sequences_follow_the_work():
+    """worker.rollout.max_num_seqs unset: the most sequences one generation call gives one of the 8
+    engines (one per device), at most 256; set, as written."""
+    # ARGS: 64 prompts x n 8 over 8 engines = 64; validation on (val_before_train, the default) with the
+    # whole validation set in one call (val_batch_size -1, size unknown) counts as the cap 256
+    assert derive(load_config(ARGS)).rollout_max_num_seqs == 256
+    no_val = ARGS + ["trainer.val_before_train=false", "trainer.val_freq=-1"]
+    assert derive(load_config(no_val)).rollout_max_num_seqs == 64
+    # validation batches of 100 prompts x its n 1 over 8 engines: ceil(100 / 8) = 13 x 1 < 64
+    assert derive(load_config(ARGS + ["data.val_batch_size=100"])).rollout_max_num_seqs == 64
+    # ... x validation n 8 (its override): 13 x 8 = 104 > 64
+    with_n = ["data.val_batch_size=100", "worker.rollout.val_override_config={n: 8}"]
+    assert derive(load_config(ARGS + with_n)).rollout_max_num_seqs == 104
+    # rounds of 16 prompts (mini_rollout_batch_size) over 8 engines: 2 x 8 = 16; over 2 (one node of 2
+    # devices): 8 x 8 = 64; one device: 16 x 8 = 128
+    rounds = no_val + ["data.mini_rollout_batch_size=16"]
+    assert derive(load_config(rounds)).rollout_max_num_seqs == 16
+    two = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"]
+    assert derive(load_config(rounds + two)).rollout_max_num_seqs == 64
+    one = ["trainer.nnodes=1", "trainer.n_gpus_per_node=1", "worker.rollout.tensor_parallel_size=1"]
+    assert derive(load_config(rounds + one)).rollout_max_num_seqs == 128
+    # engines of their own (placement=separate): the call is split over num_devices = 2 of them, 8 x 8 = 64
+    separate = ["worker.rollout.placement=separate", "worker.rollout.num_devices=2", "worker.rollout.tensor_parallel_size=1"]
+    assert derive(load_config(rounds + separate)).rollout_max_num_seqs == 64
+    # a larger call than 256 sequences is capped at vLLM's default; an explicit value wins
+    one_device = no_val + ["trainer.nnodes=1", "trainer.n_gpus_per_node=1", "worker.rollout.tensor_parallel_size=1"]
+    assert derive(load_config(one_device)).rollout_max_num_seqs == 256  # 64 x 8 = 512
+    assert derive(load_config(ARGS + ["worker.rollout.max_num_seqs=40"])).rollout_max_num_seqs == 40

