@@ -8,9 +8,11 @@ model, 16 prompts x 8 samples x 128 tokens) or the demo (``--model tiny``: examp
 then runs ``--steps`` steps of generate -> (reference log-probs) -> update on the real prompts
 (random advantages: the memory does not depend on their values). After each phase it prints the
 process's resident memory now (after glibc's ``malloc_trim``: what the process still holds) and
-its peak so far (``ru_maxrss``), so the rise of the peak in a phase is what that phase needed on top
-of what was held before. It runs on easyvlm's code of PYTHONPATH (e.g. an unpacked ``git archive``
-of another commit, to compare).
+its peak so far (``ru_maxrss``: start it from a shell, not from a large process, whose size Linux
+would carry over), so the rise of the peak in a phase is what that phase needed on top of what was
+held before; and, per update micro-batch, the activations autograd saved for backward. The process
+also holds what a Ray worker would not: the driver's data (~0.27 GiB). It runs on the easyvlm of
+PYTHONPATH (e.g. an unpacked ``git archive`` of another commit, to compare).
 """
 
 from __future__ import annotations
@@ -123,9 +125,7 @@ def main() -> None:
         plan = bench_plan(own_config(example_args("trainer.save_checkpoint_path=/tmp/worker-memory-demo", *args.overrides)),
                           total_steps=args.steps)
     train_loader, _ = plan_dataloaders(plan)
-    import easyvlm
-
-    print(f"easyvlm from {Path(easyvlm.__file__).parent}; config {plan_config}", flush=True)
+    print(f"easyvlm from {Path(easyvlm.__file__).parent}; {plan_config}", flush=True)
     mark("plan + data")
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))

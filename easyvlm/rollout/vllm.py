@@ -53,8 +53,9 @@ from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
 # The smallest CPU KV cache that sleep() hands back to the OS between generations. Every page taken
 # back costs a page fault (~5 us each on the development VM), and the heap's trimmed memory too: on
-# the tiny demo model (a 96 MiB cache) that is ~10% of a generation to save < 0.1 GiB; on the bench
-# model (770 MiB) ~2% of a generation, 0.5% of a step, for 0.9 GiB off the update's peak.
+# the tiny demo model (a 96 MiB cache) that is ~8% of a generation to save < 0.1 GiB; on the bench
+# model (770 MiB) ~3% of a generation, < 1% of a step, for 1 GiB off the update's peak
+# (docs/benchmarks.md, "Memory sized to the work").
 CPU_RELEASE_MIN_BYTES = 256 * 2**20
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
