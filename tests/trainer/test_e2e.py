@@ -313,7 +313,7 @@ def _subprocess_env(e2e_env: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def _session_processes(sid: int) -> list[int]:
+def session_processes(sid: int) -> list[int]:
     """Live (non-zombie) processes of session ``sid``: the run, its Ray cluster and Ray's workers."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -370,16 +370,16 @@ def resumed_run(e2e_base_args, e2e_env, short_train_file, tmp_path_factory):
             if pointer.exists() and 3 <= _max_step(order_file) <= 4:
                 break
             time.sleep(0.1)
-        running = _session_processes(proc.pid)
+        running = session_processes(proc.pid)
         assert len(running) > 2, f"expected the run, Ray's processes and its workers in the session, found {running}"
     finally:
         _kill_session(proc)
-    leftovers = _session_processes(proc.pid)
+    leftovers = session_processes(proc.pid)
     for _ in range(100):  # Ray's processes die with their parent (PR_SET_PDEATHSIG) or with the group
         if not leftovers:
             break
         time.sleep(0.1)
-        leftovers = _session_processes(proc.pid)
+        leftovers = session_processes(proc.pid)
     for pid in leftovers:  # do not leave them to the other tests, but fail
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

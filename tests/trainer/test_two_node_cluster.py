@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_e2e import session_processes  # the run's processes, for the clean-up check
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -87,22 +88,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def session_processes(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (what a ``ray start`` started with its own session spawned)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def kill_session(proc: subprocess.Popen) -> None:
