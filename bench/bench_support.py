@@ -182,13 +182,15 @@ class TreeMemory:
     ``peak_sum``: the largest sum of RSS over the tree at one sample (what the issues' figures
     quote); ``sum_of_peaks``: each process's own peak, summed (an upper bound). RSS counts shared
     pages (torch's libraries) once per process, so both overstate the unique memory; ``peak_pss_sum``
-    (proportional set size: a page shared by k processes counts 1/k in each) does not.
+    (proportional set size: a page shared by k processes counts 1/k in each) does not. ``pss=False``
+    reads only RSS (/proc/<pid>/statm): reading PSS walks every process's page tables, which on 2
+    cores slows the run being measured (``bench/vs_trl.py --pss``).
     """
 
-    def __init__(self, pid: int, interval: float = 0.25):
+    def __init__(self, pid: int, interval: float = 0.25, pss: bool = True):
         from process_tree_memory import TreeSampler
 
-        self.sampler = TreeSampler(pid, interval)
+        self.sampler = TreeSampler(pid, interval, pss_every=5 if pss else 0)
 
     @property
     def peak_sum(self) -> int:

