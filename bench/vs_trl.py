@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,13 +107,19 @@ def _watch(cmd: list[str], threads: int, log_path: Path, timeout: float, pss: bo
     with ``pss``, which slows the run: see ``--pss``)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=log, stderr=subprocess.STDOUT)
-        with TreeMemory(proc.pid, pss=pss) as memory:
-            try:
+        # its own process group, so that a failure here (a timeout, Ctrl-C, the sampler) ends the
+        # whole run rather than leaving a training behind to slow the next measurement
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(threads), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            with TreeMemory(proc.pid, pss=pss) as memory:
                 proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise RuntimeError(f"{cmd[:4]} ran over {timeout:.0f} s; log: {log_path}")
+        except BaseException as exc:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise RuntimeError(f"{cmd[:4]} ran over {timeout:.0f} s; log: {log_path}") from exc
+            raise
     if proc.returncode != 0:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{' '.join(cmd[:4])} failed ({proc.returncode}); log {log_path}:\n{tail}")

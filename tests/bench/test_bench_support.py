@@ -57,3 +57,20 @@ def test_the_tree_sampler_without_pss_reads_only_rss(monkeypatch):
     assert sampler.samples > 5 and sampler.peak_pss_sum == 0
     # the child's 64 MiB buffer is resident (bytearray zero-fills it), so RSS was read
     assert sampler.peak_rss_sum > 64 * 2**20
+
+
+def test_a_run_over_its_time_leaves_no_process_behind(tmp_path):
+    """A training left running after vs_trl gave up on it would slow every later measurement."""
+    import subprocess
+    import time
+
+    import pytest
+    import vs_trl
+
+    marker = f"sleep_marker_{time.time_ns()}"  # names the grandchild for pgrep
+    grandchild = f"import time; {marker} = 1; time.sleep(60)"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(60)"
+    with pytest.raises(RuntimeError, match="ran over 2 s"):
+        vs_trl._watch([sys.executable, "-c", child], 1, tmp_path / "run.log", timeout=2)
+    time.sleep(0.5)  # the kill is asynchronous
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout == ""
