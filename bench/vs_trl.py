@@ -238,8 +238,7 @@ def mode_compare(args) -> None:
                 res = runner(model_dir, args, max_response)
                 row = summarize(label, res, gen_tokens)
                 if res["framework"] == "easyvlm":
-                    row["timing_s"] = {k[len("timing_s/"):]: round(timed_median([r[k] for r in res["rows"] if k in r]), 3)
-                                       for k in res["rows"][-1] if k.startswith("timing_s/")}
+                    row["timing_s"] = _timing_table(res["rows"])
                 print(json.dumps(row), flush=True)
                 runs[res["framework"]].append(row)
         for framework, framework_runs in runs.items():
@@ -301,7 +300,8 @@ def _executed_gflop(model: dict) -> float:
     return flops["prefill"] + flops["decode"] + flops["train_shared_prompts"]
 
 
-def _timing_table(label: str, rows: list[dict]) -> dict[str, float]:
+def _timing_table(rows: list[dict]) -> dict[str, float]:
+    """Median over the timed steps of every ``timing_s/*`` metric, named without the prefix."""
     keys = sorted({k for r in rows for k in r if k.startswith("timing_s/")})
     return {k[len("timing_s/"):]: round(timed_median([r[k] for r in rows if k in r]), 3) for k in keys}
 
@@ -321,7 +321,7 @@ def mode_breakdown(args) -> None:
     out = {}
     for name, (extra, methods) in variants.items():
         res = run_easyvlm(model_dir, args, args.max_response, extra=extra, timeline=True)
-        table = _timing_table(name, res["rows"])
+        table = _timing_table(res["rows"])
         table.update(_exec_table(res, methods))
         out[name] = table
         print(json.dumps({"variant": name, "timing_s": table, "peak_rss_gib": round(res["peak_rss_gib"], 2)}), flush=True)
@@ -361,7 +361,7 @@ def mode_overhead(args) -> None:
     res = {"rows": rows, "worker_exec": json.loads((Path(out_dir) / "worker_exec.json").read_text())}
     # the demo: KL loss (reference log-probs), one mini-batch (old log-probs skipped)
     methods = ["generate", "compute_ref_logprobs", "update_actor"]
-    table = {**_timing_table("demo", rows), **_exec_table(res, methods)}
+    table = {**_timing_table(rows), **_exec_table(res, methods)}
     if "exec_unmatched_calls" in table:  # events lost: the per-call split would be wrong
         raise SystemExit(
             f"overhead: Ray's timeline holds {int(table['exec_unmatched_calls'])} worker calls for "
