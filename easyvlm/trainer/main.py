@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.errors import ConfigError
+from easyvlm.models.cpu_linear import onednn_linear_available
 from easyvlm.plan.build import RunPlan, build_plan, pick_device
 
 # what Ray workers need to see from the driver's environment (on a cluster joined through an
@@ -35,6 +36,7 @@ _FORWARDED_ENV = (
     "VLLM_LOGGING_LEVEL",
     "PYTHONPATH",
     "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
+    "EASYVLM_CPU_LINEAR",  # "aten": CPU linears through torch's F.linear, not oneDNN (easyvlm.models.cpu_linear)
 )
 _NODE_PATHS = ("HF_HOME", "EASYVLM_CACHE", "PYTHONPATH")
 EXIT_DATA_ERROR = 2
@@ -70,6 +72,11 @@ def start_ray(plan: RunPlan) -> Any:
 
 def plan_run(argv: Sequence[str]) -> RunPlan:
     """argv -> the run plan, or exit 2 with every problem found (config, model files, device)."""
+    try:
+        onednn_linear_available()  # a bad EASYVLM_CPU_LINEAR stops here, not in the workers
+    except ValueError as err:
+        sys.stderr.write(f"easyvlm: environment error: {err}\n")
+        sys.exit(EXIT_DATA_ERROR)
     cfg = parse_and_validate(argv)
     try:
         plan = build_plan(cfg, pick_device(cfg))

@@ -43,11 +43,22 @@ def test_a_joined_cluster_gets_no_paths_of_the_drivers_machine(tiny_model_path, 
     from easyvlm.trainer.main import start_ray
 
     for key, value in {"EASYVLM_CACHE": "/driver/cache", "HF_HOME": "/driver/hf", "PYTHONPATH": "/driver/src",
-                       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}.items():
+                       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "EASYVLM_CPU_LINEAR": "aten"}.items():
         monkeypatch.setenv(key, value)
     start_ray(plan_for(tiny_model_path, "trainer.ray_address=10.1.2.3:6379"))
     start_ray(plan_for(tiny_model_path))
     joined, local = (kwargs["runtime_env"]["env_vars"] for kwargs in ray_init)
     assert not {"EASYVLM_CACHE", "HF_HOME", "PYTHONPATH"} & set(joined)
-    assert joined["HF_HUB_OFFLINE"] == "1" and joined["OMP_NUM_THREADS"] == "1"
+    assert joined["HF_HUB_OFFLINE"] == "1" and joined["OMP_NUM_THREADS"] == "1" and joined["EASYVLM_CPU_LINEAR"] == "aten"
     assert local["EASYVLM_CACHE"] == "/driver/cache" and local["PYTHONPATH"] == "/driver/src"
+
+
+def test_a_bad_cpu_linear_switch_exits_2_before_the_plan(tiny_model_path, monkeypatch, capsys):
+    from easyvlm.trainer.main import plan_run
+
+    monkeypatch.setenv("EASYVLM_CPU_LINEAR", "fast")
+    monkeypatch.setattr("easyvlm.trainer.main.parse_and_validate", lambda *a: pytest.fail("went on despite the bad switch"))
+    with pytest.raises(SystemExit) as exit_:
+        plan_run([f"worker.actor.model.model_path={tiny_model_path}"])
+    assert exit_.value.code == 2
+    assert "EASYVLM_CPU_LINEAR='fast': use 'onednn'" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import pytest
 import torch
 from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_spec, assert_logprobs_match_reference, make_rl_batch, reference_logprobs
 
-from easyvlm.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, get_policy_loss, register_policy_loss
+from easyvlm.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, get_policy_loss
 from easyvlm.workers.actor import ActorWorker
 
 TEMPERATURE = 0.7
@@ -59,6 +59,20 @@ def test_compute_logprobs_match_transformers(process_group, tiny_model_path, bat
     actor = make_actor(tiny_model_path, padding_free=padding_free)
     out = actor.compute_logprobs(batch, with_entropy=True)
     assert_logprobs_match_reference(out, reference_model, batch, TEMPERATURE)
+
+
+def test_cpu_actor_runs_its_linears_through_onednn_unless_told_not_to(process_group, tiny_model_path, monkeypatch):
+    # the log-prob and update tests of this module compare that model with plain transformers (MKL)
+    from torch import nn
+
+    from easyvlm.models.cpu_linear import ENV_SWITCH, OneDNNLinear, onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("oneDNN linears are for x86-64 CPUs with mkldnn")
+    linear_types = lambda actor: {type(m) for m in actor.model.modules() if isinstance(m, nn.Linear)}  # noqa: E731
+    assert linear_types(make_actor(tiny_model_path)) == {OneDNNLinear}
+    monkeypatch.setenv(ENV_SWITCH, "aten")
+    assert linear_types(make_actor(tiny_model_path)) == {nn.Linear}
 
 
 def test_dynamic_batching_gives_the_same_logprobs(process_group, tiny_model_path, batch):
@@ -171,7 +185,7 @@ def test_frozen_vision_tower_is_bit_identical_after_update(process_group, tiny_m
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, bad):
+def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, bad, monkeypatch):
     real_loss = get_policy_loss("default")
     calls = []
     name = f"test_non_finite_{bad}"
@@ -182,8 +196,8 @@ def test_non_finite_loss_skips_the_step(process_group, tiny_model_path, batch, b
         # the first mini-batch's first micro-batch goes bad; the second mini-batch is fine
         return (loss * bad if len(calls) == 1 else loss), metrics
 
-    if name not in POLICY_LOSSES.names():
-        register_policy_loss(name)(loss_fn)
+    # registered for this test only: the registry's own tests list the real names
+    monkeypatch.setitem(POLICY_LOSSES._fns, name, loss_fn)
     actor = make_actor(tiny_model_path, global_batch_size=2, loss=name)
     data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
     before = weights(actor)

@@ -1,0 +1,102 @@
+"""Linear layers on the CPU through oneDNN: the same float32 arithmetic, twice as fast on AMD CPUs.
+
+Why: torch's ``F.linear`` / ``mm`` on the CPU call MKL's ``sgemm``, and MKL runs its AVX2 kernels on
+CPUs that are not Intel's, AVX-512 ones included. oneDNN (bundled with torch as ``mkldnn``) picks
+the CPU's widest instructions on any vendor. On this project's 2-core AMD EPYC (AVX-512) a float32
+matrix product of the shapes a training step runs takes half the time through oneDNN (~400-480
+GFLOP/s against MKL's ~200-230; ``bench/cpu_matmul.py``), and a training step spends ~80% of its
+update in them (docs/benchmarks.md, "The update's matrix products").
+
+What changes: each ``nn.Linear`` of a model (the decoder's and vision tower's projections, the
+output head) becomes a :class:`OneDNNLinear`: the same module with the same parameters and names
+(state dicts, checkpoints, the weight sync to vLLM and PEFT's LoRA wrappers see no difference),
+whose forward and backward call ``torch.ops.mkldnn._linear_pointwise`` (the operator
+``torch.compile`` itself emits for CPU linears) in strict float32: no down-conversion, oneDNN's
+default. Results differ from MKL's only by the order of the float32 additions (~1e-6 relative;
+exact for integer-valued inputs, tests/models/test_cpu_linear.py).
+
+When: float32 tensors on the CPU of an x86-64 machine with oneDNN (:func:`onednn_linear_available`);
+anything else (CUDA, bfloat16, tensor subclasses such as DTensor) takes ``F.linear`` as before.
+``EASYVLM_CPU_LINEAR=aten`` turns it off (to compare, or on a CPU where MKL is faster).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENV_SWITCH = "EASYVLM_CPU_LINEAR"  # "onednn" (the default where available) or "aten"
+
+
+def onednn_linear_available() -> bool:
+    """Whether this process's CPU linears go through oneDNN: x86-64, torch built with it, not turned off."""
+    choice = os.environ.get(ENV_SWITCH, "onednn")
+    if choice not in ("onednn", "aten"):
+        raise ValueError(f"{ENV_SWITCH}={choice!r}: use 'onednn' (the default on x86-64) or 'aten' (torch's F.linear)")
+    return choice == "onednn" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+
+
+def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` for 2-D float32 CPU tensors, through oneDNN (strided operands are accepted)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+class _OneDNNLinearFunction(torch.autograd.Function):
+    """y = x W^T + b, with dy/dx = g W and dy/dW = g^T x computed by oneDNN too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        # not a view of the 2-D product (as matmul's own result): FSDP2 warns about view outputs, whose
+        # in-place changes would skip its backward hook
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten._unsafe_view(_mm_t(g2, weight.t()), x.shape)  # g W
+        if ctx.needs_input_grad[1]:
+            grad_w = _mm_t(g2.t(), x.reshape(-1, x.shape[-1]).t())  # g^T x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
+    return plain and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through oneDNN for plain float32 CPU tensors."""
+    if _takes_onednn(x, weight) and (bias is None or type(bias) in (torch.Tensor, nn.Parameter)):
+        return _OneDNNLinearFunction.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class OneDNNLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`onednn_linear`; same parameters, same state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(model: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` of ``model`` a :class:`OneDNNLinear` (in place; its parameters,
+    hooks and attributes are kept: only the class changes). Returns how many were changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:  # subclasses (e.g. quantized or PEFT layers) keep their own forward
+            module.__class__ = OneDNNLinear
+            changed += 1
+    return changed
