@@ -30,6 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 ENV_SWITCH = "EASYVLM_CPU_LINEAR"  # "onednn" (the default where available) or "aten"
+# Below this many multiply-adds (rows x in_features x out_features) a call stays with F.linear: oneDNN's
+# fixed cost per call (~50 us here) outweighs its faster kernel (bench/cpu_matmul.py: at 256 x 64 x 64
+# oneDNN's forward + backward took 1.5x as long as F.linear's; from ~2^23 on it is 1.4-2.1x faster).
+MIN_ONEDNN_MACS = 2**23
 
 
 def onednn_linear_available() -> bool:
@@ -74,7 +78,9 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
-    return plain and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
+    if not (plain and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32):
+        return False
+    return x.numel() * weight.shape[0] >= MIN_ONEDNN_MACS  # rows x in_features x out_features
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,13 +16,19 @@ pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN li
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 
+@pytest.fixture
+def every_call(monkeypatch):
+    """oneDNN for calls of any size (the tests' small ones are below MIN_ONEDNN_MACS)."""
+    monkeypatch.setattr("easyvlm.models.cpu_linear.MIN_ONEDNN_MACS", 1)
+
+
 def op_counts(fn) -> dict[str, int]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     return {e.key: e.count for e in prof.key_averages()}
 
 
-def test_hand_derived_values_and_gradients_exactly():
+def test_hand_derived_values_and_gradients_exactly(every_call):
     # x = [[1, 2], [3, 4]], W = [[1, 0], [2, 1], [0, -1]], b = [1, 1, 1]
     # y = x W^T + b: row 1: [1*1+2*0, 1*2+2*1, 1*0+2*(-1)] + 1 = [2, 5, -1]
     #                row 2: [3, 3*2+4*1, -4] + 1 = [4, 11, -3]
@@ -42,7 +48,7 @@ def test_hand_derived_values_and_gradients_exactly():
     assert torch.equal(bias.grad, torch.tensor([1.0, 1.0, 3.0]))
 
 
-def test_matches_f_linear_on_random_3d_inputs():
+def test_matches_f_linear_on_random_3d_inputs(every_call):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 37, 64, generator=gen)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
@@ -60,7 +66,7 @@ def test_matches_f_linear_on_random_3d_inputs():
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_runs_the_onednn_operator_forward_and_backward():
+def test_runs_the_onednn_operator_forward_and_backward(every_call):
     x = torch.randn(8, 16, requires_grad=True)
     layer = nn.Linear(16, 4)
     use_onednn_linears(layer)
@@ -73,13 +79,21 @@ def test_runs_the_onednn_operator_forward_and_backward():
     assert "aten::addmm" not in counts and "aten::mm" not in counts
 
 
-def test_falls_back_to_f_linear_where_it_does_not_apply():
+def test_falls_back_to_f_linear_where_it_does_not_apply(every_call):
     weight = torch.randn(4, 16)
     for x in (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(0, 16)):
         w = weight.to(x.dtype)
         counts = op_counts(lambda: onednn_linear(x, w))
         assert ONEDNN_OP not in counts
         assert torch.equal(onednn_linear(x, w), F.linear(x, w))
+
+
+def test_small_calls_stay_with_f_linear():
+    # 2^13 rows x 32 in x 32 out = 2^23 multiply-adds: the threshold; one row fewer is below it
+    weight = torch.randn(32, 32)
+    at_threshold = op_counts(lambda: onednn_linear(torch.randn(2**13, 32), weight))
+    below = op_counts(lambda: onednn_linear(torch.randn(2**13 - 1, 32), weight))
+    assert at_threshold.get(ONEDNN_OP) == 1 and ONEDNN_OP not in below
 
 
 def test_swaps_plain_linears_only_and_keeps_parameters_and_state_dict():
