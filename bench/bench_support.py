@@ -3,7 +3,7 @@
 - ``eos_free_model``: a copy of a built-in model that can never sample an EOS token, so that every
   response of both frameworks runs to the maximum length (equal work, no forcing flag needed);
 - ``model_params`` / ``essential_flops``: the FLOP count the efficiency figure divides by;
-- ``matmul_peak``: the machine's fp32 matmul throughput, measured;
+- ``matmul_peak`` / ``machine_matmul_peak``: the machine's fp32 matmul throughput, measured (MKL's and oneDNN's);
 - ``TreeMemory``: peak resident memory of a process tree (the driver plus Ray's processes);
 - ``example_args`` / ``bench_plan``: the run plan of the demo config with a benchmark's settings,
   built as ``easyvlm.trainer.main`` builds it, so workers and engines get the trainer's specs.
@@ -156,22 +156,36 @@ def essential_flops(params: ModelParams, prompt_tokens: list[int], image_patches
             "train_shared_prompts": shared}
 
 
-def matmul_peak(threads: int, size: int = 2048, repeats: int = 10) -> float:
-    """Median fp32 ``torch.matmul`` throughput (FLOP/s) of two size x size matrices on ``threads``."""
+def matmul_peak(threads: int, size: int = 2048, repeats: int = 10, kernel: str = "aten") -> float:
+    """Median fp32 matrix-product throughput (FLOP/s) of two size x size matrices on ``threads``:
+    ``kernel="aten"``: ``torch.matmul`` (MKL's sgemm, AVX2 on non-Intel CPUs); ``"onednn"``: the
+    oneDNN product easyvlm's CPU linears use (easyvlm.models.cpu_linear), in strict float32."""
+    product = torch.matmul if kernel == "aten" else lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(0)
         a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
-        torch.matmul(a, b)  # warm-up
+        product(a, b)  # warm-up
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            torch.matmul(a, b)
+            product(a, b)
             times.append(time.perf_counter() - start)
         return 2 * size**3 / statistics.median(times)
     finally:
         torch.set_num_threads(saved)
+
+
+def machine_matmul_peak(threads: int) -> dict[str, float]:
+    """The fp32 matrix-product throughput of each kernel torch offers here (FLOP/s; oneDNN only where
+    easyvlm uses it) and ``"peak"``, the faster: the machine's peak the efficiency figures divide by."""
+    from easyvlm.models.cpu_linear import onednn_linear_available
+
+    peaks = {"aten": matmul_peak(threads)}
+    if onednn_linear_available():
+        peaks["onednn"] = matmul_peak(threads, kernel="onednn")
+    return {**peaks, "peak": max(peaks.values())}
 
 
 class TreeMemory:

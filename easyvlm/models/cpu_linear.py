@@ -35,6 +35,15 @@ ENV_SWITCH = "EASYVLM_CPU_LINEAR"  # "onednn" (the default where available) or "
 # oneDNN's forward + backward took 1.5x as long as F.linear's; from ~2^23 on it is 1.4-2.1x faster).
 MIN_ONEDNN_MACS = 2**23
 
+# oneDNN keeps every primitive it made (one per shape) in two caches of 1024 entries, and a training
+# step makes new ones each micro-batch (its token count varies): +0.3-0.4 GiB at the bench run's peak.
+# 32 holds one micro-batch's shapes (~25: forward and backward of each linear type), so the update
+# runs as fast (bench/worker_memory.py, docs/benchmarks.md). Read once, when a process makes its
+# first primitive: set here, at import, before any model runs; a value set by the user is kept.
+PRIMITIVE_CACHE_CAPACITY = "32"
+for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, and torch's ideep's
+    os.environ.setdefault(_variable, PRIMITIVE_CACHE_CAPACITY)
+
 
 def onednn_linear_available() -> bool:
     """Whether this process's CPU linears go through oneDNN: x86-64, torch built with it, not turned off."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,3 +122,33 @@ def test_environment_switch(monkeypatch):
     with pytest.raises(ValueError, match="EASYVLM_CPU_LINEAR='mkl': use 'onednn'"):
         onednn_linear_available()
 
+
+
+def test_memory_does_not_grow_with_every_new_token_count():
+    # oneDNN caches a primitive per shape (1024 by default); a training step's micro-batches each
+    # have another token count. Uncapped, each new count here kept ~3.5 MiB (40 counts: ~100 MiB);
+    # with the capacity easyvlm sets at import, the cache is full after a few counts and stops growing.
+    import subprocess
+    import sys
+
+    code = """
+import ctypes
+import torch
+import easyvlm.models.cpu_linear as cl
+torch.set_num_threads(1)
+cl.MIN_ONEDNN_MACS = 1
+def rss_mib():
+    ctypes.CDLL(None).malloc_trim(0)
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+w1, w2 = torch.randn(1024, 256, requires_grad=True), torch.randn(256, 1024, requires_grad=True)
+for i, rows in enumerate(range(500, 900, 10)):
+    x = torch.randn(rows, 256, requires_grad=True)
+    cl.onednn_linear(torch.relu(cl.onednn_linear(x, w1)), w2).sum().backward()
+    if i == 10:
+        after_ten = rss_mib()
+print(rss_mib() - after_ten)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
+    growth_mib = float(out.stdout.strip().splitlines()[-1])
+    assert growth_mib < 20, f"RSS grew by {growth_mib:.0f} MiB over 29 new token counts"
