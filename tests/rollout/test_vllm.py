@@ -253,6 +253,11 @@ def test_sleep_gives_the_kv_cache_back_and_generation_is_unchanged(engine, promp
     engine.wake_up(["kv_cache"])
     after = engine.generate(prompts, greedy)
     assert torch.equal(before["responses"], after["responses"])
+    # vLLM's multimodal processor cache holds the prompts' images until sleep() empties it
+    processor_cache = engine.llm.renderer.mm_processor_cache._cache
+    assert processor_cache.currsize > 0
+    engine.sleep()
+    assert processor_cache.currsize == 0
     torch.testing.assert_close(before["rollout_logprobs"], after["rollout_logprobs"], rtol=0, atol=0)
 
 
