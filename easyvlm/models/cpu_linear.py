@@ -3,15 +3,15 @@
 Why: torch's ``F.linear`` / ``mm`` on the CPU call MKL's ``sgemm``, and MKL runs its AVX2 kernels on
 CPUs that are not Intel's, AVX-512 ones included. oneDNN (bundled with torch as ``mkldnn``) picks
 the CPU's widest instructions on any vendor. On this project's 2-core AMD EPYC (AVX-512) a float32
-matrix product of the shapes a training step runs takes half the time through oneDNN (~400-480
-GFLOP/s against MKL's ~200-230; ``bench/cpu_matmul.py``), and a training step spends ~80% of its
+matrix product of the shapes a training step runs takes half the time through oneDNN (~380-460
+GFLOP/s against MKL's ~190-220; ``bench/cpu_matmul.py``), and a training step spends ~80% of its
 update in them (docs/benchmarks.md, "The update's matrix products").
 
 What changes: each ``nn.Linear`` of a model (the decoder's and vision tower's projections, the
 output head) becomes a :class:`OneDNNLinear`: the same module with the same parameters and names
 (state dicts, checkpoints, the weight sync to vLLM and PEFT's LoRA wrappers see no difference),
-whose forward and backward call ``torch.ops.mkldnn._linear_pointwise`` (the operator
-``torch.compile`` itself emits for CPU linears) in strict float32: no down-conversion, oneDNN's
+whose forward and backward call ``torch.ops.mkldnn._linear_pointwise`` (the oneDNN linear operator
+torch registers for its compiler's CPU kernels) in strict float32: no down-conversion, oneDNN's
 default. Results differ from MKL's only by the order of the float32 additions (~1e-6 relative;
 exact for integer-valued inputs, tests/models/test_cpu_linear.py).
 
@@ -38,7 +38,7 @@ MIN_ONEDNN_MACS = 2**23
 # oneDNN keeps every primitive it made (one per shape) in two caches of 1024 entries, and a training
 # step makes new ones each micro-batch (its token count varies): +0.3-0.4 GiB at the bench run's peak.
 # 32 holds one micro-batch's shapes (~25: forward and backward of each linear type), so the update
-# runs as fast (bench/worker_memory.py, docs/benchmarks.md). Read once, when a process makes its
+# runs as fast (docs/benchmarks.md, "The update's matrix products"). Read once, when a process makes its
 # first primitive: set here, at import, before any model runs; a value set by the user is kept.
 PRIMITIVE_CACHE_CAPACITY = "32"
 for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # oneDNN's, and torch's ideep's
