@@ -61,9 +61,10 @@ def test_matches_f_linear_on_random_3d_inputs(every_call):
         out = fn(*leaves)
         (out * upstream).sum().backward()
         grads.append((out.detach(), *[t.grad for t in leaves]))
-    # both are float32 sums of 64 (forward, dL/dx) or 111 (dL/dW, dL/db) products, in different
-    # orders: each rounding is <= 2^-24 relative, so the results agree to ~111 * 6e-8 ~ 7e-6 of
-    # the sums' magnitudes; 1e-5 relative + 1e-5 absolute holds that, bfloat16 (~4e-3) would not
+    # both are float32 sums of 64 (forward, dL/dx) or 111 (dL/dW, dL/db) products, possibly added in
+    # other orders: they may differ by a few roundings of partial sums (2^-24 ~ 6e-8 of values up to
+    # ~40 here: ~1e-6; on this machine they came out equal); 1e-5 relative + 1e-5 absolute allows
+    # that, while a bfloat16 product (~4e-3 relative) or a wrong term would fail
     for ours, reference in zip(*grads):
         torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 

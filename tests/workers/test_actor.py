@@ -61,8 +61,34 @@ def test_compute_logprobs_match_transformers(process_group, tiny_model_path, bat
     assert_logprobs_match_reference(out, reference_model, batch, TEMPERATURE)
 
 
+def every_linear_on_onednn(monkeypatch) -> None:
+    """The tiny model's products are below easyvlm.models.cpu_linear.MIN_ONEDNN_MACS, so they take
+    F.linear; this sends every one of them through oneDNN (as the bench model's are)."""
+    from easyvlm.models.cpu_linear import onednn_linear_available
+
+    if not onednn_linear_available():
+        pytest.skip("oneDNN linears are for x86-64 CPUs with mkldnn")
+    monkeypatch.setattr("easyvlm.models.cpu_linear.MIN_ONEDNN_MACS", 1)
+
+
+def onednn_calls(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkldnn::_linear_pointwise")
+
+
+def test_logprobs_with_every_linear_on_onednn_match_transformers(process_group, tiny_model_path, batch, reference_model,
+                                                                 monkeypatch):
+    every_linear_on_onednn(monkeypatch)
+    actor = make_actor(tiny_model_path, padding_free=True)
+    outs = []
+    assert onednn_calls(lambda: outs.append(actor.compute_logprobs(batch, with_entropy=True))) > 0
+    assert_logprobs_match_reference(outs[0], reference_model, batch, TEMPERATURE)
+
+
 def test_cpu_actor_runs_its_linears_through_onednn_unless_told_not_to(process_group, tiny_model_path, monkeypatch):
-    # the log-prob and update tests of this module compare that model with plain transformers (MKL)
     from torch import nn
 
     from easyvlm.models.cpu_linear import ENV_SWITCH, OneDNNLinear, onednn_linear_available
@@ -126,16 +152,21 @@ def _differentiable_logprobs(model, batch):
     return logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
 
 
-@pytest.mark.parametrize("loss_avg_mode", ["token", "seq"])
-def test_update_equals_a_hand_written_ppo_step(process_group, tiny_model_path, batch, loss_avg_mode):
+@pytest.mark.parametrize("loss_avg_mode,onednn", [("token", False), ("seq", False), ("token", True)])
+def test_update_equals_a_hand_written_ppo_step(process_group, tiny_model_path, batch, loss_avg_mode, onednn, monkeypatch):
     # 2 mini-batches of 2 samples, micro-batches of 1: gradient accumulation must reproduce the
-    # mini-batch loss normalised over the whole mini-batch; max_grad_norm 0.5 makes clipping active
+    # mini-batch loss normalised over the whole mini-batch; max_grad_norm 0.5 makes clipping active.
+    # onednn: the actor's every linear through oneDNN, the reference's through F.linear (MKL)
+    if onednn:
+        every_linear_on_onednn(monkeypatch)
     actor = make_actor(tiny_model_path, global_batch_size=2, micro_batch_size_per_device_for_update=1,
                        max_grad_norm=0.5, loss_avg_mode=loss_avg_mode)
     data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
     before = weights(actor)
-    metrics = actor.update_policy(data)
+    metrics = {}
+    assert (onednn_calls(lambda: metrics.update(actor.update_policy(data))) > 0) == onednn
     after = weights(actor)
+    monkeypatch.undo()  # the reference update below runs plain transformers (F.linear) either way
     expected, grad_norms = _reference_update(tiny_model_path, data, 2, 1e-3, 0.5, loss_avg_mode)
     # AdamW's step is scale-free, so the weights alone cannot see a wrongly scaled loss: the
     # pre-clip gradient norm can (e.g. a missing world-size factor or a per-micro-batch normaliser)
