@@ -1,6 +1,6 @@
 """Where one hybrid worker's memory goes, phase by phase (in this process, no Ray).
 
-    PYTHONPATH=. python bench/worker_memory.py [--model bench|tiny] [--steps 2] [overrides ...]
+    PYTHONPATH=. python bench/worker_memory.py [--model bench|tiny] [--steps 2] [--profile] [overrides ...]
 
 Builds the trainer's hybrid worker (FSDP actor, reference model when the KL is on, vLLM engine)
 from the run plan of the bench (``bench/vs_trl.py``'s settings for ``--model bench``: EOS-free bench
@@ -12,7 +12,9 @@ its peak so far (``ru_maxrss``: start it from a shell, not from a large process,
 would carry over), so the rise of the peak in a phase is what that phase needed on top of what was
 held before; and, per update micro-batch, the activations autograd saved for backward. The process
 also holds what a Ray worker would not: the driver's data (~0.27 GiB). It runs on the easyvlm of
-PYTHONPATH (e.g. an unpacked ``git archive`` of another commit, to compare).
+PYTHONPATH (e.g. an unpacked ``git archive`` of another commit, to compare). ``--profile``: one more
+update of the last step's batch under torch's profiler, its operators by CPU time (where an update's
+time goes: docs/benchmarks.md, "The update's matrix products").
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["bench", "tiny"], default="bench")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="profile one more update (operators by CPU time)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -159,6 +162,14 @@ def main() -> None:
         mark(f"step {step}: update")
         print(f"  activations autograd saved per micro-batch forward (MiB): {[round(b / MiB) for b in saved.per_forward]}",
               flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            worker.update_actor(update)
+        print(f"\nprofiled update: {time.perf_counter() - start:.2f} s (profiler included)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     print("\n| phase | RSS after (MiB) | peak so far (MiB) | s |\n|---|---|---|---|")
     for phase, now, top, secs in rows:
         print(f"| {phase} | {now:.0f} | {top:.0f} | {secs:.1f} |")
