@@ -172,12 +172,13 @@ def run_trl(model_dir: str, args, max_response: int) -> dict:
 
 def combine_runs(runs: list[dict]) -> dict:
     """One row for several runs of the same framework and model: the median run's figures (by
-    s/step), plus every run's s/step, generation time and peak memory, and the spread of the
-    step time (slowest / fastest run)."""
+    s/step; of an even number of runs, the faster of the two middle ones, so that every figure of
+    the row is one run's), plus every run's s/step, generation time and peak memory, and the
+    spread of the step time (slowest / fastest run)."""
     ordered = sorted(runs, key=lambda r: r["s_per_step"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     steps = [r["s_per_step"] for r in runs]
-    row.update(s_per_step=round(statistics.median(steps), 3), s_per_step_runs=steps,
+    row.update(s_per_step=statistics.median_low(steps), s_per_step_runs=steps,
                step_spread=round(max(steps) / min(steps), 3), peak_rss_gib_runs=[r["peak_rss_gib"] for r in runs])
     if all("timing_s" in r for r in runs):
         row["gen_s_runs"] = [r["timing_s"].get("gen") for r in runs]

@@ -374,7 +374,7 @@ class Trainer:
                 self._peak_asks[name] = [w.peak_rss.remote() for w in group.workers]
         self._peak_asks.setdefault("reward", [self.reward_actor.peak_rss.remote()])
         for name, refs in list(self._peak_asks.items()):
-            busy = name in ("rollout", "reward") and getattr(self, "_background", None) is not None
+            busy = name in ("rollout", "reward") and self._background is not None
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if busy else None)
             if len(ready) == len(refs):
                 self._peaks[name] = ray.get(refs)

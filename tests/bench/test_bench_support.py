@@ -36,6 +36,10 @@ def test_repeated_runs_combine_into_the_median_run_and_the_spread():
     assert row["s_per_step_runs"] == [33.0, 30.0, 31.0]  # in run order
     assert row["step_spread"] == 1.1  # 33 / 30
     assert row["peak_rss_gib_runs"] == [5.0, 5.2, 5.1] and row["gen_s_runs"] == [9.5, 9.0, 9.2]
+    # four runs: 30, 31, 33, 34 -> the faster middle run (31 s), its s/step and its other figures
+    # together (not 32, the mean of the middle two, beside the 31 s run's tokens/s)
+    row = vs_trl.combine_runs([*runs, {"s_per_step": 34.0, "peak_rss_gib": 5.3, "gen_tokens_per_s": 0.5, "timing_s": {"gen": 9.9}}])
+    assert row["s_per_step"] == 31.0 and row["gen_tokens_per_s"] == 2.0 and row["step_spread"] == round(34 / 30, 3)
 
 
 def test_the_tree_sampler_without_pss_reads_only_rss(monkeypatch):
