@@ -160,7 +160,9 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 10, kernel: str =
     """Median fp32 matrix-product throughput (FLOP/s) of two size x size matrices on ``threads``:
     ``kernel="aten"``: ``torch.matmul`` (MKL's sgemm, AVX2 on non-Intel CPUs); ``"onednn"``: the
     oneDNN product easyvlm's CPU linears use (easyvlm.models.cpu_linear), in strict float32."""
-    product = torch.matmul if kernel == "aten" else lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b.t(), None, "none", [], "")
+    from easyvlm.models.cpu_linear import onednn_linear
+
+    product = torch.matmul if kernel == "aten" else lambda a, b: onednn_linear(a, b.t())  # 2048^3 >= its threshold
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

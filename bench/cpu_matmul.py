@@ -40,8 +40,10 @@ SHAPES = [
 
 def cpu_flags() -> str:
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            lines = f.readlines()
+        flags = next(line for line in lines if line.startswith("flags")).split()
+        model = next(line for line in lines if line.startswith("model name")).split(":", 1)[1].strip()
     except (OSError, StopIteration):
         return "unknown CPU"
     wide = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "avx512_vp2intersect"))

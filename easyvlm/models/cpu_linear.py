@@ -53,9 +53,9 @@ def onednn_linear_available() -> bool:
     return choice == "onednn" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
 
-def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b.T`` for 2-D float32 CPU tensors, through oneDNN (strided operands are accepted)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+def _mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` for 2-D float32 CPU tensors, through oneDNN (strided operands are accepted)."""
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
 class _OneDNNLinearFunction(torch.autograd.Function):
@@ -64,7 +64,7 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+        y = _mm_t(x2, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         # not a view of the 2-D product (as matmul's own result): FSDP2 warns about view outputs, whose
