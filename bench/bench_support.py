@@ -41,7 +41,7 @@ def bench_plan(args: Sequence[str], total_steps: int = 1):
     """The `RunPlan` of ``args`` (``config=...`` and ``key=value``, see :func:`example_args`), built
     as ``easyvlm.trainer.main`` builds it: validated (exit 2 with every problem), model files loaded
     once; the trained roles' schedule is ``total_steps`` long (``easyvlm.trainer.loop`` sets it)."""
-    from easyvlm.plan.specs import with_total_steps
+    from easyvlm.specs import with_total_steps
     from easyvlm.trainer.main import plan_run
 
     plan = plan_run(list(args))

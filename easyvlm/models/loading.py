@@ -1,6 +1,6 @@
 """Load the policy / reference / critic models from a ``ModelSpec``; tokenizer and processor.
 
-The worker side reads only its ``ModelSpec`` (easyvlm/plan/specs.py): the directory is local and
+The worker side reads only its ``ModelSpec`` (easyvlm/specs.py): the directory is local and
 the transformers config already carries ``model.override_config``. The driver side resolves paths
 and builds the config (:func:`load_hf_config`, :func:`apply_config_overrides`) and loads the
 tokenizer and processor once (:func:`load_tokenizer_and_processor`).
@@ -30,7 +30,7 @@ from torch import nn
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
-from easyvlm.plan.specs import LoraSpec, ModelSpec
+from easyvlm.specs import LoraSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 

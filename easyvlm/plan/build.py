@@ -9,7 +9,7 @@ What happens here and nowhere else:
 - the policy's files are loaded once: its transformers config (``override_config`` applied), its
   tokenizer and processor (``trust_remote_code`` honoured), the token ids every role agrees on;
 - the checks that need the model or the device (`model_problems`) run, still before Ray starts;
-- each role gets its typed slice (``easyvlm.plan.specs``) with its loss bound to its hyperparameters.
+- each role gets its typed slice (``easyvlm.specs``) with its loss bound to its hyperparameters.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from easyvlm.config.derived import Derived, RoleBatching, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOConfig, canonical_dtype
 from easyvlm.config.validate import lora_module_names, notices
-from easyvlm.plan.specs import (
+from easyvlm.specs import (
     ActorSpec,
     AgentSpec,
     CriticSpec,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from easyvlm.plan.specs import RolloutSpec
+from easyvlm.specs import RolloutSpec
 from easyvlm.rollout.base import RolloutEngine
 
 

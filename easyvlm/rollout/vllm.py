@@ -45,7 +45,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 from easyvlm.data.batch import Batch  # noqa: E402
-from easyvlm.plan.specs import EngineSpec  # noqa: E402
+from easyvlm.specs import EngineSpec  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine, Sampling  # noqa: E402
 from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402

@@ -28,7 +28,7 @@ from easyvlm.algorithms.rollout_mismatch import rollout_mismatch
 from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
-from easyvlm.plan.specs import ActorSpec, ModelBundle
+from easyvlm.specs import ActorSpec, ModelBundle
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import (
     ForwardSetup,

@@ -20,7 +20,7 @@ from torch import Tensor
 from easyvlm.algorithms.value_loss import value_loss
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import loss_scale, new_ulysses_group
-from easyvlm.plan.specs import CriticSpec
+from easyvlm.specs import CriticSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, dummy_image_for, micro_batches, outputs_with_vision, scatter_response
 from easyvlm.workers.sharded import build_sharded_model

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
-from easyvlm.plan.specs import RefSpec
+from easyvlm.specs import RefSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_log_distribution, policy_logprobs_for_batch
 from easyvlm.workers.fsdp import load_model_to, offload_model

@@ -9,7 +9,7 @@ from torch import nn
 from easyvlm.config.schema import FSDPConfig
 from easyvlm.models.cpu_linear import onednn_linear_available, use_onednn_linears
 from easyvlm.models.loading import ModelRole, load_model
-from easyvlm.plan.specs import ModelSpec
+from easyvlm.specs import ModelSpec
 from easyvlm.workers.fsdp import apply_fsdp, fsdp_plan
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from easyvlm.data.batch import Batch
 from easyvlm.config.schema import FSDPConfig, canonical_dtype
-from easyvlm.plan.specs import MicroBatching
+from easyvlm.specs import MicroBatching
 from easyvlm.utils.safe_state import SafeFileSystemReader, SafeLoadPlanner, load_state, rng_state, set_rng_state
 from easyvlm.workers.fsdp import DTYPES
 

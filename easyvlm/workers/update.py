@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from easyvlm.algorithms.aggregation import loss_normalizer
 from easyvlm.config.schema import OffloadConfig
 from easyvlm.data.batch import Batch
-from easyvlm.plan.specs import UpdateSpec
+from easyvlm.specs import UpdateSpec
 from easyvlm.workers.forward import micro_batches
 from easyvlm.workers.fsdp import load_model_to, load_optimizer_to, offload_model, offload_optimizer
 from easyvlm.workers.optim import build_optimizer, build_scheduler, step_scheduler
@@ -74,7 +74,7 @@ class TrainedModel:
 
     def __init__(self, model: nn.Module, update: UpdateSpec, offload: OffloadConfig, device: torch.device,
                  prefix: str, grad_scale: float):
-        assert update.total_steps > 0, "set UpdateSpec.total_steps (easyvlm.plan.specs.with_total_steps)"
+        assert update.total_steps > 0, "set UpdateSpec.total_steps (easyvlm.specs.with_total_steps)"
         self.model = model
         self.spec = update
         self.offload_spec = offload

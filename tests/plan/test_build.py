@@ -21,7 +21,7 @@ from plan_testing import REPO, config_for, plan_for
 
 from easyvlm.config.errors import ConfigError
 from easyvlm.plan.build import pick_device
-from easyvlm.plan.specs import KLLossSpec, LoraSpec
+from easyvlm.specs import KLLossSpec, LoraSpec
 from easyvlm.rewards.loader import RewardFunctionSpec
 
 GAE = ("algorithm.adv_estimator=gae",)

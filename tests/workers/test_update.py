@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from easyvlm.config.schema import OffloadConfig, OptimConfig
-from easyvlm.plan.specs import MicroBatching, UpdateSpec
+from easyvlm.specs import MicroBatching, UpdateSpec
 from easyvlm.workers import update as update_module
 from easyvlm.workers.update import TrainedModel
 
