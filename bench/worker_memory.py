@@ -106,7 +106,7 @@ def main() -> None:
     from bench_support import bench_plan, eos_free_model, example_args
 
     from easyvlm.data.batch import UPDATE_INPUT_KEYS
-    from easyvlm.data.dataloader import plan_dataloaders
+    from easyvlm.plan.dataloaders import plan_dataloaders
     from easyvlm.workers.dist import find_free_port
 
     mark("import easyvlm (driver side)")

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from easyvlm.config.schema import FSDPConfig, OffloadConfig, OptimConfig
 
-if TYPE_CHECKING:  # the rollout's sampling type lives with the engines; no import at run time
-    from easyvlm.rollout.base import Sampling
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -49,14 +47,8 @@ class ModelSpec:
     gradient_checkpointing: bool
     model_path: str = ""
     """The model as the config names it (``builtin:<name>``, a hub id or an absolute local
-    directory); "" = only ``model_dir`` is known. Workers read ``local_dir()``."""
-
-    def local_dir(self) -> str:
-        """``model_dir`` on the machine of the calling process: on another node of a cluster the
-        model is resolved there (``easyvlm.builtin.models.local_model_dir``)."""
-        from easyvlm.builtin.models import local_model_dir
-
-        return local_model_dir(self.model_dir, self.model_path)
+    directory); "" = only ``model_dir`` is known. Workers load
+    ``easyvlm.models.paths.local_model_dir(model_dir, model_path)``: this node's copy."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +134,7 @@ class UpdateSpec:
 # ------------------------------------------------------------------------------------------- losses
 @dataclass(frozen=True)
 class PolicyLossSpec:
-    """A policy loss bound to its hyperparameters: call it with tensors only."""
+    """A policy loss and its hyperparameters (the actor binds them to its tensors)."""
 
     name: str
     """A registered loss or a resolved ``/abs/path/file.py:func`` plug-in (loaded in the worker)."""
@@ -154,28 +146,6 @@ class PolicyLossSpec:
     loss_avg_mode: str
     source: Optional[str] = field(default=None, repr=False)
     """A plug-in's file text, read in the driver: the worker runs it without a copy of the file."""
-
-    def __call__(
-        self, logprobs: Any, old_logprobs: Any, advantages: Any, response_mask: Any, normalizer: float,
-        rollout_is_weights: Any = None,
-    ) -> tuple[Any, dict[str, float]]:
-        from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
-
-        inputs = PolicyLossInputs(
-            logprobs=logprobs,
-            old_logprobs=old_logprobs,
-            advantages=advantages,
-            response_mask=response_mask,
-            clip_ratio_low=self.clip_ratio_low,
-            clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_dual=self.clip_ratio_dual,
-            tau_positive=self.tau_positive,
-            tau_negative=self.tau_negative,
-            loss_avg_mode=self.loss_avg_mode,
-            normalizer=normalizer,
-            rollout_is_weights=rollout_is_weights,
-        )
-        return get_policy_loss(self.name, self.source)(inputs)
 
 
 @dataclass(frozen=True)
@@ -263,25 +233,35 @@ class EngineSpec:
     model_path: str = ""
     tokenizer_path: str = ""
     """``model_dir`` and ``tokenizer_dir`` as the config names them (see `ModelSpec.model_path`);
-    the engine loads ``local_model_dir()`` and ``local_tokenizer_dir()``."""
+    the engine loads this node's copies (``easyvlm.models.paths.local_model_dir``)."""
 
-    def local_model_dir(self) -> str:
-        from easyvlm.builtin.models import local_model_dir
 
-        return local_model_dir(self.model_dir, self.model_path)
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling settings of one generate() call, resolved in the driver (the run plan holds the
+    training and the validation ones; easyvlm.rollout.base checks them and applies overrides)."""
 
-    def local_tokenizer_dir(self) -> str:
-        from easyvlm.builtin.models import local_model_dir
-
-        return local_model_dir(self.tokenizer_dir, self.tokenizer_path)
+    n: int
+    """Samples per prompt (G)."""
+    temperature: float
+    """0 = greedy."""
+    top_p: float
+    top_k: int
+    """-1 = no top-k."""
+    max_tokens: int
+    """At most the engine's response length; responses are still padded to it."""
+    ignore_eos: bool
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Further fields of vLLM's ``SamplingParams`` (``worker.rollout.val_override_config``: min_p,
+    repetition_penalty, stop, ...), as (name, value) pairs; the transformers engine takes none."""
 
 
 @dataclass(frozen=True)
 class RolloutSpec:
     engine: EngineSpec
-    sampling: "Sampling"
+    sampling: Sampling
     """Training sampling (worker.rollout.*; max tokens = data.max_response_length)."""
-    val_sampling: "Sampling"
+    val_sampling: Sampling
     """Training sampling with ``worker.rollout.val_override_config`` applied."""
     response_length: int
     tokens: TokenIds

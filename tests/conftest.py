@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+import easyvlm.builtin
+
+easyvlm.builtin.register()  # what every command does first: builtin: model paths and data sets resolve
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Before anything imports huggingface_hub / vllm (they read these at import time).

@@ -46,7 +46,8 @@ from easyvlm.agents.tools import Tool, ToolResult, call_tool
 from easyvlm.data.batch import PROMPT_KEYS, PROMPT_TENSOR_KEYS, Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.position_ids import get_position_ids
-from easyvlm.rollout.base import SEED_KEY, Sampling, mix_seeds
+from easyvlm.rollout.base import SEED_KEY, is_greedy, mix_seeds
+from easyvlm.specs import Sampling
 from easyvlm.rollout.postprocess import pad_logprobs, pad_responses
 
 TRAJECTORY_KEY = "trajectory"
@@ -160,7 +161,7 @@ class MultiTurnRollout:
         seeds = repeated.get(SEED_KEY)
         samples = []
         for row in range(len(repeated)):
-            seed = None if seeds is None or sampling.greedy else mix_seeds(seeds[row], row % n)
+            seed = None if seeds is None or is_greedy(sampling) else mix_seeds(seeds[row], row % n)
             sample = _Sample(row, ids[row][mask[row]].tolist(), list(repeated["raw_prompt_ids"][row]),
                              list(images[row] or []), [dict(items[row] or {})], seed,
                              num_prompt_images=len(images[row] or []))

@@ -13,7 +13,7 @@ from easyvlm.agents.loop import MultiTurnRollout, MultiTurnSettings
 from easyvlm.agents.render import TurnRenderer
 from easyvlm.agents.tools import load_tools
 from easyvlm.data.batch import ORIGINAL_IMAGES_KEY, Batch
-from easyvlm.rollout.base import Sampling
+from easyvlm.specs import Sampling
 
 EngineCall = Callable[[Batch, "Sampling | None"], Batch]
 

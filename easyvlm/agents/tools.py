@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, get_type_hints
 
 from PIL import Image
 
+from easyvlm.config.schema import SHIPPED_TOOLS
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, load_plugin
 
 RESERVED_PARAMETERS = ("images", "original_images", "row")
@@ -71,7 +72,6 @@ def _shipped() -> dict[str, Callable[..., Any]]:
     return {"image_zoom": shipped.image_zoom, "calculator": shipped.calculator}
 
 
-SHIPPED_TOOLS = ("image_zoom", "calculator")
 
 
 def tool_schema(function: Callable[..., Any], name: str | None = None) -> tuple[dict, tuple[str, ...]]:

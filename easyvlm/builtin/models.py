@@ -7,8 +7,8 @@ vLLM load it as they would ``Qwen/Qwen2.5-VL-3B-Instruct``. ``tiny-qwen2-vl`` an
 are the same recipe for the other two families (``BuiltinModelSpec.family``). The token ids differ
 from the real Qwen ones, so code must read special-token ids from the tokenizer or the model config.
 
-``resolve_model_path`` turns what a user writes in ``worker.actor.model.model_path`` into a local
-directory: ``builtin:<name>``, a local directory, or a hub id ``org/name``.
+Importing this module registers the ``builtin:`` scheme with ``easyvlm.models.paths``, which turns
+what a user writes in ``worker.actor.model.model_path`` into a local directory.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 
 from easyvlm.builtin.synthetic import PALETTE, SHAPES
 from easyvlm.builtin.synthetic_zoom import call_tokens
+from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start, warm_start_key
+from easyvlm.models.paths import ModelNotFoundError, ModelScheme, register_model_scheme
 from easyvlm.utils.cache import build_once, cache_root
 
 # Bump when anything in the build changes (spec values, tokenizer, template, processor settings):
@@ -208,13 +210,7 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
 }
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model path that names no loadable model; the message says what was asked and what to do."""
-
-
 def _known_models_hint() -> str:
-    from easyvlm.builtin.warm_start import WARM_STARTS
-
     names = ", ".join(f"{BUILTIN_PREFIX}{name}" for name in (*BUILTIN_MODELS, *WARM_STARTS))
     return f"built-in models: {names}"
 
@@ -227,10 +223,10 @@ def get_builtin_spec(name: str) -> BuiltinModelSpec:
 
 def model_cache_dir(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where ``materialize_model(name)`` puts its build (whether or not it exists yet)."""
-    from easyvlm.builtin.warm_start import WARM_STARTS, warm_start_key
-
     if name in WARM_STARTS:  # the key changes with the recipe, so a changed recipe rebuilds
-        return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{warm_start_key(WARM_STARTS[name])}"
+        warm = WARM_STARTS[name]
+        key = warm_start_key(warm, spec_key(get_builtin_spec(warm.base)))
+        return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{key}"
     return cache_root(cache_dir) / "models" / f"{name}-v{BUILD_VERSION}-{spec_key(get_builtin_spec(name))}"
 
 
@@ -253,68 +249,19 @@ def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLik
 
     ``cache_dir`` overrides ``$EASYVLM_CACHE`` (default ``~/.cache/easyvlm``).
     """
-    from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start
-
     if name in WARM_STARTS:  # a builtin model after a supervised warm start (built from the base)
         warm = WARM_STARTS[name]
-        materialize_model(warm.base, cache_dir)
-        return build_once(model_cache_dir(name, cache_dir), lambda out: build_warm_start(warm, out))
+        base = materialize_model(warm.base, cache_dir)
+        return build_once(model_cache_dir(name, cache_dir), lambda out: build_warm_start(warm, base, out))
     spec = get_builtin_spec(name)
     return build_once(model_cache_dir(name, cache_dir), lambda out: build_model(spec, out, name=name))
 
 
-def resolve_model_path(path: str) -> str:
-    """A local directory for ``builtin:<name>``, a local directory, or a hub id ``org/name``.
-
-    Hub ids go through ``huggingface_hub.snapshot_download`` (the local HF cache first when
-    ``HF_HUB_OFFLINE=1``); when the hub is unreachable or offline, raises ModelNotFoundError.
-    """
-    if path.startswith(BUILTIN_PREFIX):
-        return str(materialize_model(path[len(BUILTIN_PREFIX) :]))
-    expanded = os.path.expanduser(path)
-    if os.path.isdir(expanded):
-        return expanded
-    looks_local = path.startswith((".", "/", "~")) or os.path.exists(expanded) or path.count("/") != 1
-    if looks_local:
-        raise ModelNotFoundError(
-            f"model path {path!r} is not a directory. Pass a local model directory (with config.json), "
-            f"a hub id 'org/name', or a built-in model; {_known_models_hint()}"
-        )
-    return _download_from_hub(path)
-
-
-def local_model_dir(planned_dir: str, model_path: str = "") -> str:
-    """This machine's directory of a model that the driver resolved to ``planned_dir`` from
-    ``model_path`` (``builtin:<name>``, a hub id or an absolute local directory; "" = unknown).
-
-    Workers call this before they read model files: on another node of a Ray cluster neither the
-    driver's easyvlm cache nor its Hugging Face cache exists. ``planned_dir`` is used when it exists
-    here (the driver's machine, shared storage, or a cache that holds the same build: builtin and hub
-    directories are named by build version and commit). Otherwise the name is resolved again on this
-    node: a builtin model is built into this node's cache (``$EASYVLM_CACHE`` of its ``ray start``;
-    the build is deterministic), a hub id comes from this node's Hugging Face cache or the hub. A
-    local directory missing here raises ModelNotFoundError: it must be on shared storage.
-    """
-    if not model_path or os.path.isdir(planned_dir):
-        return planned_dir
-    if model_path.startswith(BUILTIN_PREFIX):
-        return str(_materialize_in_subprocess(model_path[len(BUILTIN_PREFIX) :]))
-    if not os.path.isabs(model_path):  # a hub id
-        return resolve_model_path(model_path)
-    import socket
-
-    raise ModelNotFoundError(
-        f"model directory {model_path} (a local path in the config) does not exist on this node "
-        f"({socket.gethostname()}). Every node of a Ray cluster reads the model from its own file system: put "
-        f"local model directories on storage that every node mounts at the same path (or copy them to that "
-        f"path on every node), or name the model by a hub id or builtin: name, which each node resolves itself"
-    )
-
-
-def _materialize_in_subprocess(name: str) -> Path:
-    """``materialize_model(name)`` in a new Python process, for a caller that is a rank of a
-    torch.distributed group (a worker): transformers' ``save_pretrained`` writes the model's files
-    only on rank 0 of an initialised group, so a build in rank 1 would have no weights."""
+def build_in_subprocess(name: str) -> Path:
+    """``materialize_model(name)`` in a new Python process (a cluster node's preparation,
+    easyvlm.trainer.nodes): the build's memory goes back when it ends, and transformers'
+    ``save_pretrained``, which writes only on rank 0 of an initialised torch.distributed group,
+    writes here whatever the caller's process group."""
     import subprocess
     import sys
 
@@ -330,37 +277,6 @@ def _materialize_in_subprocess(name: str) -> Path:
             f"(python -m easyvlm.builtin.models {name}, exit {done.returncode}):\n{done.stderr[-3000:]}"
         )
     return target
-
-
-def _download_from_hub(repo_id: str) -> str:
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RepositoryNotFoundError,
-    )
-
-    try:
-        # Weights in safetensors only: downloading .bin/.pth copies as well would double the size.
-        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"])
-    except (GatedRepoError, RepositoryNotFoundError) as err:
-        raise ModelNotFoundError(
-            f"model {repo_id!r}: the hub has no repository by that name or it is gated ({type(err).__name__}). "
-            f"Check the spelling, log in with `huggingface-cli login` for gated models, or pass a local "
-            f"directory; {_known_models_hint()}"
-        ) from err
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError) as err:
-        if constants.HF_HUB_OFFLINE:
-            reason, fix = "HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE if this machine has network access"
-        else:
-            reason, fix = "the Hugging Face hub is unreachable", "download it on a machine with network access"
-        raise ModelNotFoundError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and {reason}, so it cannot be "
-            f"downloaded. Fix: {fix}, pass a local model directory, or use a built-in model; "
-            f"{_known_models_hint()}"
-        ) from err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,6 +491,11 @@ def main(argv: list[str] | None = None) -> None:
         path = materialize_model(name, args.cache_dir)
         info = json.loads((path / "easyvlm_builtin.json").read_text())
         print(f"{BUILTIN_PREFIX}{name}: {path} ({info['num_parameters']:,} parameters)")
+
+
+def register() -> None:
+    """Make ``builtin:<name>`` a model path that easyvlm.models.paths resolves (by building it here)."""
+    register_model_scheme(BUILTIN_PREFIX, ModelScheme(build=lambda name: str(materialize_model(name)), known_names=_known_models_hint))
 
 
 if __name__ == "__main__":

@@ -72,19 +72,17 @@ WARM_STARTS = {
 }
 
 
-def warm_start_key(spec: WarmStartSpec) -> str:
-    """A short hash of the recipe (and of the prompt it trains on) for the cache directory name."""
+def warm_start_key(spec: WarmStartSpec, base_key: str) -> str:
+    """A short hash of the recipe, of its base model's build (``base_key``: easyvlm.builtin.models.spec_key)
+    and of the prompt it trains on, for the cache directory name."""
     import hashlib
 
-    from easyvlm.builtin.models import get_builtin_spec, spec_key
-
-    base_key = spec_key(get_builtin_spec(spec.base))
     prompt = ZOOM_FORMAT_PROMPT if spec.tools else SYNTHETIC_FORMAT_PROMPT
     return hashlib.sha1(f"{spec}|{base_key}|{prompt}".encode()).hexdigest()[:8]
 
 
-def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
-    """Train ``spec.base`` on targets of ``spec.dataset``'s train split (one turn, or the tools recipe's
+def build_warm_start(spec: WarmStartSpec, base: Path, out_dir: Path, log=print) -> None:
+    """Train ``spec.base`` (built in directory ``base``) on targets of ``spec.dataset``'s train split (one turn, or the tools recipe's
     trajectories); save to ``out_dir``."""
     import json
 
@@ -95,13 +93,11 @@ def build_warm_start(spec: WarmStartSpec, out_dir: Path, log=print) -> None:
     from easyvlm.data.collate import concat_multi_modal_inputs
     from easyvlm.data.dataset import PromptEncoder
     from easyvlm.builtin.synthetic import materialize_dataset
-    from easyvlm.builtin.models import materialize_model
     from easyvlm.models.position_ids import extend_position_ids, to_model_layout
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # bit-identical builds: reductions in one fixed order
     try:
-        base = materialize_model(spec.base)
         processor = AutoProcessor.from_pretrained(base)
         tokenizer = processor.tokenizer
         model_config = AutoConfig.from_pretrained(base)
@@ -217,7 +213,7 @@ def _train_tool_warm_start(spec: WarmStartSpec, base: str, processor, model_conf
     from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
     from easyvlm.data.dataset import RLDataset
     from easyvlm.models.position_ids import to_model_layout
-    from easyvlm.rollout.base import Sampling
+    from easyvlm.specs import Sampling
     from easyvlm.rollout.postprocess import build_rollout_batch
 
     tokenizer = processor.tokenizer

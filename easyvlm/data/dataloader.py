@@ -8,7 +8,7 @@ loader runs in the calling process (no worker processes): images are decoded whe
 
 Usage (the trainer)::
 
-    train_loader, val_loader = plan_dataloaders(plan)
+    train_loader, val_loader = plan_dataloaders(plan)  # easyvlm.plan.dataloaders
     for batch in train_loader:      # one epoch from the current position; then the epoch advances
         ...
     ckpt["dataloader"] = train_loader.state_dict()
@@ -17,7 +17,7 @@ Usage (the trainer)::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -26,9 +26,6 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.collate import collate_prompts
 from easyvlm.data.dataset import RLDataset
 from easyvlm.data.loading import DataError
-
-if TYPE_CHECKING:
-    from easyvlm.plan.build import RunPlan
 
 
 class PromptDataLoader:
@@ -133,12 +130,3 @@ def create_val_loader(
     val = RLDataset(config.val_files, config, tokenizer, processor, model_config, "data.val_files", "val", tools)
     val_batch_size = len(val) if config.val_batch_size == -1 else config.val_batch_size
     return PromptDataLoader(val, val_batch_size, False, 0, drop_last=False)
-
-
-def plan_dataloaders(plan: RunPlan) -> tuple[PromptDataLoader, PromptDataLoader | None]:
-    """The run plan's data loaders: its ``data`` section with the policy's tokenizer and processor."""
-    bundle = plan.bundle
-    return create_dataloaders(
-        plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config,
-        plan.derived.prompts_per_generation_round, plan.agent.tool_schemas if plan.agent is not None else (),
-    )

@@ -22,10 +22,18 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow")
-BUILTIN_PREFIX = "builtin:"
+
+# Data sets the project builds itself, by name prefix (``builtin:``, registered by easyvlm.builtin):
+# prefix -> (the whole spec -> the path of its data file; ValueError with the reason when it cannot).
+_DATASET_SCHEMES: dict[str, Callable[[str], str]] = {}
+
+
+def register_dataset_scheme(prefix: str, resolve: Callable[[str], str]) -> None:
+    """Let data specs that start with ``prefix`` (e.g. ``builtin:synthetic@train``) name built data sets."""
+    _DATASET_SCHEMES[prefix] = resolve
 
 
 class DataError(ValueError):
@@ -88,13 +96,12 @@ def load_sources(spec: str | Sequence[str], key: str = "data.train_files") -> li
 
 
 def _load_one(spec: str, key: str) -> list[RowSource]:
-    if spec.startswith(BUILTIN_PREFIX):
-        from easyvlm.builtin import synthetic
-
-        try:
-            return [read_file(Path(synthetic.resolve_builtin_dataset(spec)))]
-        except synthetic.SyntheticDatasetError as err:
-            raise DataError(f"{key}: {err}") from err
+    for prefix, resolve in _DATASET_SCHEMES.items():
+        if spec.startswith(prefix):
+            try:
+                return [read_file(Path(resolve(spec)))]
+            except ValueError as err:  # an unknown name or split, said by the scheme
+                raise DataError(f"{key}: {err}") from err
 
     path, split = split_spec(spec)
     local = Path(os.path.expanduser(path))

@@ -60,7 +60,7 @@ def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
 
 def prepare(argv: Sequence[str]) -> tuple[Any, int, Path]:
     """argv -> (run plan, step the seeds use, output directory); exits 2 on any config problem."""
-    from easyvlm.builtin.models import ModelNotFoundError
+    from easyvlm.models.paths import ModelNotFoundError
     from easyvlm.trainer.main import plan_run
 
     argv = [*argv, "trainer.val_only=true"]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
+from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
 from easyvlm.specs import LoraSpec, ModelSpec
@@ -164,7 +165,7 @@ def load_model(
         if on_meta:
             with torch.device("meta"):
                 return auto_cls.from_config(hf_config, **kwargs)
-        return auto_cls.from_pretrained(spec.local_dir(), config=hf_config, **kwargs)  # this node's files
+        return auto_cls.from_pretrained(local_model_dir(spec.model_dir, spec.model_path), config=hf_config, **kwargs)  # this node's files
 
     if role == "policy":
         model = build(AutoModelForImageTextToText if vision_language else AutoModelForCausalLM)

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import easyvlm.builtin
 from easyvlm.config.derived import Derived, RoleBatching, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOConfig, canonical_dtype
-from easyvlm.config.validate import lora_module_names, notices
+from easyvlm.config.checks import lora_module_names
+from easyvlm.config.validate import notices
 from easyvlm.specs import (
     ActorSpec,
     AgentSpec,
@@ -39,6 +41,7 @@ from easyvlm.specs import (
     RefSpec,
     RewardModelSpec,
     RolloutSpec,
+    Sampling,
     TokenIds,
     UpdateSpec,
 )
@@ -137,11 +140,12 @@ def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBun
     the model's, a vision-language family easyvlm does not know)."""
     from transformers import GenerationConfig
 
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
     from easyvlm.models.loading import load_tokenizer_and_processor
     from easyvlm.rollout.tokens import blocked_token_ids, eos_token_ids, pad_token_id
 
     assert model.model_path, "validate() requires worker.actor.model.model_path"
+    easyvlm.builtin.register()  # builtin: model paths and data sets resolve from here on (rm calls this alone)
     spec = model_spec(model, resolve_model_path(model.model_path), trainable_lora=True)
     same_tokenizer = model.tokenizer_path in (None, model.model_path)
     tokenizer_dir = spec.model_dir if same_tokenizer else resolve_model_path(model.tokenizer_path)
@@ -255,7 +259,7 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
 
 
 def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
 
     critic = cfg.worker.critic
     assert critic.model.model_path and derived.critic is not None, "validate() requires the critic for gae"
@@ -284,7 +288,7 @@ def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> Critic
 
 def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: str) -> RolloutSpec:
     from easyvlm.data.images import vllm_mm_processor_kwargs
-    from easyvlm.rollout.base import Sampling, sampling_with_overrides
+    from easyvlm.rollout.base import sampling_with_overrides
 
     r, data = cfg.worker.rollout, cfg.data
     sampling = Sampling(
@@ -341,7 +345,7 @@ def pick_device(cfg: PPOConfig) -> str:
 def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
     """The run plan of a config that passed ``validate``; raises ConfigError for problems that need
     the model files or the device (still before Ray starts)."""
-    from easyvlm.config.validate import model_problems
+    from easyvlm.plan.checks import model_problems
 
     derived = derive(cfg)
     cfg = resolve_paths(cfg)
@@ -408,7 +412,7 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
     policy's token ids (it scores the policy's prompt + response tokens as they are)."""
     from transformers import AutoTokenizer
 
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
     from easyvlm.models.reward_model import reward_model_problem
 
     rm = cfg.worker.reward_model
@@ -447,7 +451,6 @@ def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpe
     from easyvlm.config.schema import DataConfig
     from easyvlm.data.images import vllm_mm_processor_kwargs
     from easyvlm.rewards.judge import load_template
-    from easyvlm.rollout.base import Sampling
     from easyvlm.utils.plugins import PluginError, load_plugin
 
     j = cfg.worker.judge

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from easyvlm.config.checks import Checks, check_fsdp, check_model, check_optim
 from easyvlm.config.errors import Problem
 from easyvlm.config.schema import FSDPConfig, ModelConfig, OptimConfig
 
@@ -108,21 +109,16 @@ class RMConfig:
 
 def find_problems(cfg: RMConfig, world_size: int = 1) -> list[Problem]:
     """Every problem of ``cfg`` (the rules shared with the RL config run on the shared sections)."""
-    from importlib import import_module
-
-    v = import_module("easyvlm.config.validate")  # the package exports a function of that name
-
-    c = v._Checks.__new__(v._Checks)
-    c.cfg, c.problems, c.world_size, c.n = cfg, [], world_size, 1
+    c = Checks(cfg, world_size)
     d, t = cfg.data, cfg.trainer
     if not cfg.model.model_path:
         c.add("model.model_path", "is unset: give a policy checkpoint (builtin:tiny-qwen2.5-vl-synthetic, a local "
                                   "directory or a hub id) or a reward model to train further")
-    v._check_model(c, "model")
+    check_model(c, "model")
     if cfg.model.lora.rank > 0:
         c.add("model.lora.rank", "LoRA reward-model training is not supported; set 0 (full fine-tuning)")
-    v._check_optim(c, "optim")
-    v._check_fsdp(c, "fsdp")
+    check_optim(c, "optim")
+    check_fsdp(c, "fsdp")
     if not d.train_files:
         c.add("data.train_files", "is empty: give a preference data file or builtin:synthetic-preference@train")
     for key in ("prompt_key", "chosen_key", "rejected_key", "image_key"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import PROMPT_KEYS, Batch
 from easyvlm.rollout.postprocess import build_rollout_batch
+from easyvlm.specs import Sampling
 
 # Optional object key of a prompt Batch: one int seed per prompt (seeded sampling).
 SEED_KEY = "sampling_seed"
@@ -49,35 +49,17 @@ def request_seed(prompt_seed: int, sample_index: int) -> int:
     return mix_seeds(prompt_seed, sample_index)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """The sampling settings of one generate() call, resolved in the driver (the run plan holds the
-    training and the validation ones)."""
+def is_greedy(sampling: Sampling) -> bool:
+    return sampling.temperature == 0
 
-    n: int
-    """Samples per prompt (G)."""
-    temperature: float
-    """0 = greedy."""
-    top_p: float
-    top_k: int
-    """-1 = no top-k."""
-    max_tokens: int
-    """At most the engine's response length; responses are still padded to it."""
-    ignore_eos: bool
-    extra: tuple[tuple[str, Any], ...] = ()
-    """Further fields of vLLM's ``SamplingParams`` (``worker.rollout.val_override_config``: min_p,
-    repetition_penalty, stop, ...), as (name, value) pairs; the transformers engine takes none."""
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def validate(self, response_length: int) -> "Sampling":
-        """Assert the invariants the engines rely on (``easyvlm.config.validate`` judged the values)."""
-        assert self.n >= 1 and self.temperature >= 0 and 0 < self.top_p <= 1, self
-        assert self.top_k == -1 or self.top_k >= 1, self
-        assert 1 <= self.max_tokens <= response_length, (self, response_length)
-        return self
+def checked_sampling(sampling: Sampling, response_length: int) -> Sampling:
+    """``sampling``, after asserting the invariants the engines rely on (``easyvlm.config.validate``
+    judged the values)."""
+    assert sampling.n >= 1 and sampling.temperature >= 0 and 0 < sampling.top_p <= 1, sampling
+    assert sampling.top_k == -1 or sampling.top_k >= 1, sampling
+    assert 1 <= sampling.max_tokens <= response_length, (sampling, response_length)
+    return sampling
 
 
 def sampling_with_overrides(base: Sampling, overrides: Mapping[str, Any]) -> Sampling:
@@ -104,7 +86,7 @@ class RolloutEngine(ABC):
         eos_token_ids: Sequence[int],
         blocked_token_ids: Sequence[int],
     ):
-        self.sampling = sampling.validate(response_length)
+        self.sampling = checked_sampling(sampling, response_length)
         self.response_length = response_length
         self.pad_token_id = pad_token_id
         self.eos_token_ids = list(eos_token_ids)
@@ -126,11 +108,11 @@ class RolloutEngine(ABC):
         top-k / top-p applied), 0 after the end of each response. With ``batch[SEED_KEY]`` (an
         int per prompt) sampling is seeded per request (see the module docstring).
         """
-        sampling = (sampling or self.sampling).validate(self.response_length)
+        sampling = checked_sampling(sampling or self.sampling, self.response_length)
         batch.require(*PROMPT_KEYS)
         prompts = batch.repeat(sampling.n, interleave=True)
         seeds = None
-        if SEED_KEY in prompts and not sampling.greedy:  # row i*n+j is sample j of prompt i
+        if SEED_KEY in prompts and not is_greedy(sampling):  # row i*n+j is sample j of prompt i
             seeds = [request_seed(s, row % sampling.n) for row, s in enumerate(prompts[SEED_KEY])]
         responses, logprobs = self._sample(prompts, sampling, seeds)
         return build_rollout_batch(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from easyvlm.specs import RolloutSpec
+from easyvlm.models.paths import local_model_dir
 from easyvlm.rollout.base import RolloutEngine
+from easyvlm.specs import RolloutSpec
 
 
 def build_rollout(spec: RolloutSpec) -> RolloutEngine:
     """The engine ``spec.engine.name`` names, loading the model's files on this machine
-    (``spec.engine.local_model_dir()``); the actor's weights arrive later through ``update_weights``."""
+    (``easyvlm.models.paths.local_model_dir``); the actor's weights arrive later through ``update_weights``."""
     common = dict(
         sampling=spec.sampling,
         response_length=spec.response_length,
@@ -25,7 +26,7 @@ def build_rollout(spec: RolloutSpec) -> RolloutEngine:
 
     engine = spec.engine
     return HFRolloutEngine(
-        engine.local_model_dir(),
+        local_model_dir(engine.model_dir, engine.model_path),
         hf_config=engine.hf_config,
         trust_remote_code=engine.trust_remote_code,
         dtype=engine.dtype,

@@ -12,7 +12,8 @@ from typing import Callable, Iterable, Sequence
 from torch import Tensor
 
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import RolloutEngine, Sampling
+from easyvlm.rollout.base import RolloutEngine
+from easyvlm.specs import Sampling
 
 Respond = Callable[[list[int], int], Sequence[int]]
 

@@ -21,7 +21,8 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.position_ids import to_model_layout
-from easyvlm.rollout.base import RolloutEngine, Sampling, mix_seeds
+from easyvlm.rollout.base import RolloutEngine, is_greedy, mix_seeds
+from easyvlm.specs import Sampling
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -91,10 +92,10 @@ class HFRolloutEngine(RolloutEngine):
 
     def _generation_config(self, sampling: Sampling) -> GenerationConfig:
         sample = {}
-        if not sampling.greedy:
+        if not is_greedy(sampling):
             sample = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
         return GenerationConfig(
-            do_sample=not sampling.greedy,
+            do_sample=not is_greedy(sampling),
             **sample,
             max_new_tokens=sampling.max_tokens,
             eos_token_id=None if sampling.ignore_eos else self.eos_token_ids,

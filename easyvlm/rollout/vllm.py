@@ -45,8 +45,10 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 from easyvlm.data.batch import Batch  # noqa: E402
+from easyvlm.models.paths import local_model_dir  # noqa: E402
 from easyvlm.specs import EngineSpec  # noqa: E402
-from easyvlm.rollout.base import RolloutEngine, Sampling  # noqa: E402
+from easyvlm.rollout.base import RolloutEngine  # noqa: E402
+from easyvlm.specs import Sampling  # noqa: E402
 from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 
@@ -119,8 +121,8 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     on_cpu = engine.device == "cpu"
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
-        model=engine.local_model_dir(),  # this node's copy (builtin and hub models are resolved per node)
-        tokenizer=engine.local_tokenizer_dir(),
+        model=local_model_dir(engine.model_dir, engine.model_path),  # this node's copy (builtin and hub models are resolved per node)
+        tokenizer=local_model_dir(engine.tokenizer_dir, engine.tokenizer_path),
         dtype="float32" if on_cpu else DTYPES[engine.dtype],
         seed=engine.seed,
         max_model_len=engine.max_model_len,

@@ -33,7 +33,7 @@ from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.rewards.types import RewardResult
-from easyvlm.rollout.base import Sampling
+from easyvlm.specs import Sampling
 from easyvlm.trainer import core
 from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager
 from easyvlm.trainer.metrics import (

@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    from easyvlm.data.dataloader import plan_dataloaders
+    from easyvlm.plan.dataloaders import plan_dataloaders
     from easyvlm.data.loading import DataError
     from easyvlm.distributed.worker_group import Resources
     from easyvlm.trainer.checkpoint import CheckpointError, resume_checkpoint

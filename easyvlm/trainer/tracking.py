@@ -36,7 +36,6 @@ starts them empty.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import netrc
@@ -52,33 +51,13 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from easyvlm.config.checks import missing_logger_packages
+
 # samples per viewer page sent to wandb and swanlab (each carries an image)
 MEDIA_SAMPLES = 16
 
 # the few metrics shown beside the progress bar
 CONSOLE_KEYS = ("reward/overall", "val/reward_score", "response_length/mean", "actor/pg_loss", "timing_s/step")
-
-# logger -> (module it imports, pip requirement that provides it); console and file need nothing
-LOGGER_PACKAGES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "swanlab": ("swanlab", "swanlab"),
-    "mlflow": ("mlflow", "mlflow-skinny"),  # the full `mlflow` package provides the module too
-}
-
-
-def missing_logger_packages(loggers: Sequence[str]) -> dict[str, str]:
-    """{logger: pip requirement} for each logger in ``loggers`` whose package is not installed.
-
-    Cheap (``importlib.util.find_spec``, nothing imported): the config check calls it before Ray
-    starts, so a run does not fail at its first log line after the models have loaded.
-    """
-    return {
-        name: requirement
-        for name, (module, requirement) in LOGGER_PACKAGES.items()
-        if name in loggers and importlib.util.find_spec(module) is None
-    }
-
 
 class Generation(NamedTuple):
     """One validation sample, EasyR1's (input, output, label, score)."""

@@ -50,3 +50,12 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def same_entry_here(entry: str | os.PathLike) -> Path:
+    """The entry ``<root>/<kind>/<name>`` of another machine's cache, in this machine's cache.
+
+    Entries are named by what they hold (name, build version, key), so the same name means the same
+    build on every machine; only the root differs (``$EASYVLM_CACHE`` of each node)."""
+    entry = Path(entry)
+    return cache_root() / entry.parent.name / entry.name

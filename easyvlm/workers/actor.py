@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,12 @@ from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.kl import kl_loss
+from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.algorithms.rollout_mismatch import rollout_mismatch
 from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
-from easyvlm.specs import ActorSpec, ModelBundle
+from easyvlm.specs import ActorSpec, ModelBundle, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import (
     ForwardSetup,
@@ -175,7 +176,7 @@ class ActorWorker:
         advantages = micro["advantages"].to(self.device)
         # the rollout correction's weights (algorithm.rollout_correction.rollout_is), made in the driver
         weights = micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None
-        pg_loss, pg_metrics = spec.policy_loss(logprobs, old_logprobs, advantages, mask, normalizer, weights)
+        pg_loss, pg_metrics = policy_loss(spec.policy_loss, PolicyLossTensors(logprobs, old_logprobs, advantages, mask, weights), normalizer)
         loss = pg_loss
         entropy_loss = aggregate_loss(entropy if spec.entropy_coeff else entropy.detach(), mask, mode, normalizer)
         if spec.entropy_coeff:
@@ -249,3 +250,33 @@ def export_hf_model(state: dict[str, Tensor], hf_config: Any, files: ModelBundle
     files.tokenizer.save_pretrained(path)
     if files.processor is not None:
         files.processor.save_pretrained(path)
+
+
+class PolicyLossTensors(NamedTuple):
+    """The micro-batch's tensors a policy loss reads."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    rollout_is_weights: Tensor | None
+
+
+def policy_loss(spec: PolicyLossSpec, tensors: PolicyLossTensors, normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    """The configured policy loss (a registered one, or a ``file.py:func`` plug-in run from the text the
+    driver read) over one micro-batch, with its hyperparameters from the plan."""
+    inputs = PolicyLossInputs(
+        logprobs=tensors.logprobs,
+        old_logprobs=tensors.old_logprobs,
+        advantages=tensors.advantages,
+        response_mask=tensors.response_mask,
+        clip_ratio_low=spec.clip_ratio_low,
+        clip_ratio_high=spec.clip_ratio_high,
+        clip_ratio_dual=spec.clip_ratio_dual,
+        tau_positive=spec.tau_positive,
+        tau_negative=spec.tau_negative,
+        loss_avg_mode=spec.loss_avg_mode,
+        normalizer=normalizer,
+        rollout_is_weights=tensors.rollout_is_weights,
+    )
+    return get_policy_loss(spec.name, spec.source)(inputs)

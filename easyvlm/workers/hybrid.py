@@ -16,7 +16,7 @@ import torch
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import new_ulysses_group
 from easyvlm.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec, RolloutSpec
-from easyvlm.rollout.base import Sampling
+from easyvlm.specs import Sampling
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.workers.actor import ActorWorker
 from easyvlm.workers.dist import init_distributed

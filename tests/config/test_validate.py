@@ -360,7 +360,7 @@ def test_val_override_keys_are_vllm_sampling_fields():
     # config/ cannot import vllm, so it lists SamplingParams' fields itself: check the list against vLLM
     from vllm import SamplingParams
 
-    from easyvlm.config.validate import ENGINE_OWNED_SAMPLING_KEYS, VLLM_SAMPLING_KEYS
+    from easyvlm.config.validate_workers import ENGINE_OWNED_SAMPLING_KEYS, VLLM_SAMPLING_KEYS
 
     fields = set(SamplingParams.__struct_fields__) if hasattr(SamplingParams, "__struct_fields__") else set(
         SamplingParams.__annotations__)

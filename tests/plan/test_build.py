@@ -401,5 +401,8 @@ def test_workers_on_other_nodes_get_names_and_file_texts(tiny_model_path, tmp_pa
     assert plan.actor.policy_loss.source == loss.read_text()
     assert plan.reward.functions[0].source == Path(SYNTHETIC.partition(":")[0]).read_text()
     # a worker where the driver's directory exists reads it as is
-    assert plan.actor.model.local_dir() == tiny_model_path
-    assert plan.rollout.engine.local_tokenizer_dir() == str(tokenizer_dir)
+    from easyvlm.models.paths import local_model_dir
+
+    assert local_model_dir(plan.actor.model.model_dir, plan.actor.model.model_path) == tiny_model_path
+    engine = plan.rollout.engine
+    assert local_model_dir(engine.tokenizer_dir, engine.tokenizer_path) == str(tokenizer_dir)

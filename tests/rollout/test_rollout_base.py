@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import Sampling, sampling_with_overrides
+from easyvlm.rollout.base import is_greedy, sampling_with_overrides
+from easyvlm.specs import Sampling
 from easyvlm.rollout.fake import FakeRolloutEngine
 
 PAD, EOS = 0, 9
@@ -84,7 +85,7 @@ def test_sampling_with_overrides_by_hand():
     # Sampling fields replace theirs; other keys join extra, sorted by name, min_p's new value wins
     assert val == Sampling(n=1, temperature=0, top_p=1.0, top_k=-1, max_tokens=4, ignore_eos=False,
                            extra=(("min_p", 0.2), ("stop_token_ids", [7])))
-    assert val.greedy and not base.greedy
+    assert is_greedy(val) and not is_greedy(base)
     assert sampling_with_overrides(base, {}) == base
 
 
@@ -107,7 +108,7 @@ def test_the_plan_has_training_and_validation_sampling(tiny_model_path):
     assert plan.rollout.sampling == sampling and plan.rollout.response_length == 64
     val = plan.rollout.val_sampling
     assert val == dataclasses.replace(sampling, n=1, temperature=0, extra=(("min_p", 0.05), ("stop_token_ids", [3])))
-    assert val.greedy
+    assert is_greedy(val)
 
 
 def test_generate_requires_prompt_keys():

