@@ -41,7 +41,7 @@ def bench_plan(args: Sequence[str], total_steps: int = 1):
     """The `RunPlan` of ``args`` (``config=...`` and ``key=value``, see :func:`example_args`), built
     as ``easyvlm.trainer.main`` builds it: validated (exit 2 with every problem), model files loaded
     once; the trained roles' schedule is ``total_steps`` long (``easyvlm.trainer.loop`` sets it)."""
-    from easyvlm.specs import with_total_steps
+    from easyvlm.plan.roles import with_total_steps
     from easyvlm.trainer.main import plan_run
 
     plan = plan_run(list(args))
@@ -71,7 +71,7 @@ def eos_free_model(model: str, out_root: str | os.PathLike | None = None) -> str
     """
     from safetensors.torch import load_file, save_file
 
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
 
     src = Path(resolve_model_path(model))
     out = Path(out_root or src.parent) / f"{src.name}-eosfree"

@@ -8,7 +8,6 @@ them; docs/architecture.md shows which role gets which slice.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -313,8 +312,3 @@ class JudgeSpec:
     timeout: float
     on_error: str
     cache_size: int
-
-
-def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:
-    """``spec`` with its update's schedule length set (known once the training data is loaded)."""
-    return dataclasses.replace(spec, update=dataclasses.replace(spec.update, total_steps=total_steps))

@@ -58,7 +58,7 @@ def config_for(model_path: str, *overrides: str) -> Any:
 def plan_for(model_path: str, *overrides: str, total_steps: int = 10, device: str = "cpu") -> Any:
     """The `RunPlan` of :func:`config_for`, with the trained roles' schedule length set."""
     from easyvlm.plan.build import build_plan
-    from easyvlm.specs import with_total_steps
+    from easyvlm.plan.roles import with_total_steps
 
     plan = build_plan(config_for(model_path, *overrides), device)
     return dataclasses.replace(

@@ -13,7 +13,7 @@ the same image tokens):
 Departure: EasyR1 resamples twice (PIL's default, then the processor's); easyvlm resizes once,
 bicubic, from the original to the final size (:func:`fit_image`), which loses less. The final
 image must be a fixed point of ``smart_resize`` with the processor's limits, so the HF processor
-(called with ``do_resize=False``) and vLLM (built with :func:`vllm_mm_processor_kwargs`) leave it
+(called with ``do_resize=False``) and vLLM (built with ``easyvlm.data.videos.vllm_mm_processor_kwargs``) leave it
 alone and the tokens counted for the prompt, the pixels the rollout sees and the pixels the
 training forward sees are the same. The rare image for which it is not (very thin ones) is
 refused with an :class:`ImageLoadError`.
@@ -280,7 +280,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _image_processor(processor: Any) -> Any:
+def image_processor_of(processor: Any) -> Any:
     """The image processor of a multimodal processor, ``processor`` itself if it is one, else None."""
     image_processor = getattr(processor, "image_processor", None)
     if image_processor is None and hasattr(processor, "patch_size"):
@@ -289,7 +289,7 @@ def _image_processor(processor: Any) -> Any:
 
 
 def _require_image_processor(processor: Any) -> Any:
-    image_processor = _image_processor(processor)
+    image_processor = image_processor_of(processor)
     if image_processor is None:
         raise ValueError(f"{type(processor).__name__} has no image_processor; this model cannot take images")
     return image_processor
@@ -332,30 +332,3 @@ def _field(size: Any, key: str) -> Any:
     if isinstance(size, dict):
         return size.get(key)
     return getattr(size, key, None)
-
-
-def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, Any]]:
-    """``mm_processor_kwargs`` that make vLLM resize images and video frames with the processor's limits.
-
-    processor: the multimodal processor the data pipeline uses (the one :func:`processor_pixel_limits`
-    reads); ``{}`` for a text-only model (a tokenizer, or None). vLLM runs ``smart_resize`` on every
-    image (EasyR1's stage 2); with the processor's limits, images from :func:`fit_image` are a fixed
-    point and keep their token counts. Likewise video frames (easyvlm.data.videos) with the video
-    processor's limits. The limits go per modality (``images_kwargs`` / ``videos_kwargs``: a flat
-    ``size`` would reach the video processor too, and Qwen3-VL's two processors have different
-    limits), in transformers 5's form ``size={"shortest_edge": min_pixels, "longest_edge":
-    max_pixels}`` (pixel counts, despite the names). vLLM would read the same limits from the
-    model's preprocessor configs; passing them keeps both sides on one processor even if vLLM loads
-    another directory.
-    """
-    from easyvlm.data.videos import uncapped_frame_kwargs  # videos build on images
-
-    if _image_processor(processor) is None:
-        return {}
-    min_pixels, max_pixels = processor_pixel_limits(processor)
-    kwargs: dict[str, dict[str, Any]] = {"images_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}}
-    video_processor = getattr(processor, "video_processor", None)
-    if video_processor is not None:
-        low, high = processor_pixel_limits(video_processor)
-        kwargs["videos_kwargs"] = {"size": {"shortest_edge": low, "longest_edge": high}, **uncapped_frame_kwargs(processor)}
-    return kwargs

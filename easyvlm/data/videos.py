@@ -44,7 +44,9 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from easyvlm.data.images import ImageLoadError, check_aspect_ratio, load_image, processor_pixel_limits, resolve_image_path
+from easyvlm.data.images import (
+    ImageLoadError, check_aspect_ratio, image_processor_of, load_image, processor_pixel_limits, resolve_image_path,
+)
 
 FRAME_FACTOR = 2  # qwen-vl-utils: frame counts are even (the temporal patch of Qwen-VL models)
 MIN_FRAMES = 4  # qwen-vl-utils' FPS_MIN_FRAMES
@@ -293,3 +295,28 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray | Image.Ima
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(encode_video(frames, fps))
     return path
+
+
+def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, Any]]:
+    """``mm_processor_kwargs`` that make vLLM resize images and video frames with the processor's limits.
+
+    processor: the multimodal processor the data pipeline uses (the one :func:`processor_pixel_limits`
+    reads); ``{}`` for a text-only model (a tokenizer, or None). vLLM runs ``smart_resize`` on every
+    image (EasyR1's stage 2); with the processor's limits, images from :func:`fit_image` are a fixed
+    point and keep their token counts. Likewise video frames (easyvlm.data.videos) with the video
+    processor's limits. The limits go per modality (``images_kwargs`` / ``videos_kwargs``: a flat
+    ``size`` would reach the video processor too, and Qwen3-VL's two processors have different
+    limits), in transformers 5's form ``size={"shortest_edge": min_pixels, "longest_edge":
+    max_pixels}`` (pixel counts, despite the names). vLLM would read the same limits from the
+    model's preprocessor configs; passing them keeps both sides on one processor even if vLLM loads
+    another directory.
+    """
+    if image_processor_of(processor) is None:
+        return {}
+    min_pixels, max_pixels = processor_pixel_limits(processor)
+    kwargs: dict[str, dict[str, Any]] = {"images_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}}
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is not None:
+        low, high = processor_pixel_limits(video_processor)
+        kwargs["videos_kwargs"] = {"size": {"shortest_edge": low, "longest_edge": high}, **uncapped_frame_kwargs(processor)}
+    return kwargs

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from easyvlm.models.padding_free import Segment
+    from easyvlm.models.segments import Segment
 
 ULYSSES_KWARG = "easyvlm_ulysses"
 """The keyword under which the model's forward carries :class:`UlyssesAttention` down to the
@@ -290,7 +290,7 @@ def decoder_sees_slice(model: nn.Module, start: int, length: int) -> Iterator[No
 @dataclass(frozen=True)
 class UlyssesAttention:
     """What the attention function needs besides q, k, v under SP: the group, and the segments of
-    the whole padded row (``easyvlm.models.padding_free.packed_segments`` of its text positions),
+    the whole padded row (``easyvlm.models.segments.packed_segments`` of its text positions),
     found once per forward instead of once per layer."""
 
     sp: UlyssesGroup

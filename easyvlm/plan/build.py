@@ -19,33 +19,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import easyvlm.builtin
-from easyvlm.config.derived import Derived, RoleBatching, derive
+from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOConfig, canonical_dtype
-from easyvlm.config.checks import lora_module_names
+from easyvlm.config.schema import ModelConfig, PPOConfig, canonical_dtype
 from easyvlm.config.validate import notices
 from easyvlm.specs import (
     ActorSpec,
     AgentSpec,
     CriticSpec,
-    EngineSpec,
-    ForwardSpec,
-    KLLossSpec,
-    LoraSpec,
-    MicroBatching,
     ModelBundle,
-    ModelSpec,
-    PolicyLossSpec,
     JudgeSpec,
     RefSpec,
     RewardModelSpec,
     RolloutSpec,
-    Sampling,
-    TokenIds,
-    UpdateSpec,
 )
-from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source, resolve_plugin_spec
+from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
+from easyvlm.plan.models import load_bundle
+from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, reward_model_spec, rollout_spec
 
 
 @dataclass(frozen=True)
@@ -132,205 +122,6 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     )
 
 
-# ------------------------------------------------------------------------------------------ models
-def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBundle:
-    """Resolve the model and tokenizer paths and load config, tokenizer, processor and token ids.
-
-    Raises ConfigError naming ``key`` when the files do not fit together (a tokenizer that is not
-    the model's, a vision-language family easyvlm does not know)."""
-    from transformers import GenerationConfig
-
-    from easyvlm.models.paths import resolve_model_path
-    from easyvlm.models.loading import load_tokenizer_and_processor
-    from easyvlm.rollout.tokens import blocked_token_ids, eos_token_ids, pad_token_id
-
-    assert model.model_path, "validate() requires worker.actor.model.model_path"
-    easyvlm.builtin.register()  # builtin: model paths and data sets resolve from here on (rm calls this alone)
-    spec = model_spec(model, resolve_model_path(model.model_path), trainable_lora=True)
-    same_tokenizer = model.tokenizer_path in (None, model.model_path)
-    tokenizer_dir = spec.model_dir if same_tokenizer else resolve_model_path(model.tokenizer_path)
-    tokenizer_path = model.model_path if same_tokenizer else model.tokenizer_path
-    tokenizer, processor = load_tokenizer_and_processor(tokenizer_dir, model.trust_remote_code)
-    try:
-        generation_config = GenerationConfig.from_pretrained(spec.model_dir)
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone ends responses
-        generation_config = None
-    try:
-        tokens = TokenIds(
-            pad=pad_token_id(tokenizer),
-            eos=tuple(eos_token_ids(tokenizer, generation_config)),
-            blocked=tuple(blocked_token_ids(tokenizer, spec.hf_config)),
-        )
-    except ValueError as err:
-        raise ConfigError([Problem(f"{key}.tokenizer_path", str(err))]) from err
-    return ModelBundle(spec, tokenizer, processor, generation_config, tokens, tokenizer_dir, tokenizer_path)
-
-
-def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: str = "worker.actor.model") -> ModelSpec:
-    """The `ModelSpec` of ``model`` whose files are in ``model_dir`` (loads its config; an unknown
-    ``override_config`` key is a ConfigError naming it)."""
-    from easyvlm.models.loading import UnknownOverrideError, load_hf_config
-
-    lora = model.lora
-    lora_spec = None
-    if trainable_lora and lora.rank > 0:
-        names = lora_module_names(lora.target_modules)
-        lora_spec = LoraSpec(lora.rank, lora.alpha, names if names is not None else lora.target_modules, lora.exclude_modules)
-    try:
-        hf_config = load_hf_config(model_dir, dict(model.override_config), model.trust_remote_code)
-    except UnknownOverrideError as err:
-        raise ConfigError([Problem(err.key.replace("model.override_config", f"{key}.override_config", 1), str(err))]) from err
-    return ModelSpec(
-        model_dir=model_dir,
-        hf_config=hf_config,
-        trust_remote_code=model.trust_remote_code,
-        attn_implementation=model.attn_implementation,
-        lora=lora_spec,
-        freeze_vision_tower=model.freeze_vision_tower,
-        gradient_checkpointing=model.enable_gradient_checkpointing,
-        model_path=model.model_path or "",
-    )
-
-
-# ----------------------------------------------------------------------------------------- slices
-def _micro(role: ActorConfig | CriticConfig, size: int) -> MicroBatching:
-    budget = role.max_token_len_per_device if isinstance(role, ActorConfig) else None
-    return MicroBatching(micro_batch_size=size, dynamic=role.dynamic_batching, max_token_len=budget)
-
-
-def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds) -> ForwardSpec:
-    actor = cfg.worker.actor
-    return ForwardSpec(
-        padding_free=role.padding_free,
-        share_prompts=role.share_prompts,
-        temperature=cfg.worker.rollout.temperature,
-        blocked_token_ids=tokens.blocked,
-        use_torch_compile=actor.use_torch_compile,  # EasyR1 has the key on the actor only
-        ulysses_size=role.ulysses_size,
-        experience=_micro(role, role.micro_batch_size_per_device_for_experience),
-    )
-
-
-def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatching) -> UpdateSpec:
-    return UpdateSpec(
-        ppo_epochs=role.ppo_epochs,
-        mini_batch_per_rank=batching.mini_batch_per_device,
-        optimizer_steps_per_step=batching.optimizer_steps_per_step,
-        micro=_micro(role, role.micro_batch_size_per_device_for_update),
-        max_grad_norm=role.max_grad_norm,
-        loss_avg_mode=role.loss_avg_mode,
-        norm_length=cfg.data.max_response_length,
-        optim=role.optim,
-    )
-
-
-def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSpec:
-    actor, algo = cfg.worker.actor, cfg.algorithm
-    return ActorSpec(
-        model=bundle.policy,
-        fsdp=actor.fsdp,
-        offload=actor.offload,
-        forward=_forward(cfg, actor, bundle.tokens),
-        update=_update(cfg, actor, derived.actor),
-        policy_loss=PolicyLossSpec(
-            name=actor.loss_type,
-            clip_ratio_low=actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_dual=actor.clip_ratio_dual,
-            tau_positive=actor.tau_positive,
-            tau_negative=actor.tau_negative,
-            loss_avg_mode=actor.loss_avg_mode,
-            # a file.py:func loss runs in the workers, maybe on nodes without the file: its text travels
-            source=read_plugin_source(actor.loss_type) if is_plugin_spec(actor.loss_type) else None,
-        ),
-        kl_loss=KLLossSpec(algo.kl_coef, algo.kl_penalty) if derived.kl_in_loss else None,
-        entropy_coeff=actor.entropy_coeff,
-        seed=cfg.trainer.seed,
-        files=bundle,
-    )
-
-
-def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
-    """The reference model: the actor's model without LoRA adapters (with LoRA, the base weights
-    are the initial policy), the actor's forward settings, the ref section's FSDP and offload."""
-    ref = cfg.worker.ref
-    model = dataclasses.replace(bundle.policy, lora=None, gradient_checkpointing=False, freeze_vision_tower=False)
-    return RefSpec(model=model, fsdp=ref.fsdp, offload=ref.offload, forward=_forward(cfg, cfg.worker.actor, bundle.tokens))
-
-
-def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
-    from easyvlm.models.paths import resolve_model_path
-
-    critic = cfg.worker.critic
-    assert critic.model.model_path and derived.critic is not None, "validate() requires the critic for gae"
-    if critic.model.model_path == cfg.worker.actor.model.model_path and critic.model.override_config == cfg.worker.actor.model.override_config:
-        model = dataclasses.replace(bundle.policy, lora=None)
-    else:
-        model = model_spec(critic.model, resolve_model_path(critic.model.model_path), trainable_lora=False,
-                           key="worker.critic.model")
-    model = dataclasses.replace(
-        model,
-        freeze_vision_tower=critic.model.freeze_vision_tower,
-        gradient_checkpointing=critic.model.enable_gradient_checkpointing,
-        attn_implementation=critic.model.attn_implementation,
-        trust_remote_code=critic.model.trust_remote_code,
-    )
-    return CriticSpec(
-        model=model,
-        fsdp=critic.fsdp,
-        offload=critic.offload,
-        forward=_forward(cfg, critic, bundle.tokens),
-        update=_update(cfg, critic, derived.critic),
-        cliprange_value=critic.cliprange_value,
-        seed=cfg.trainer.seed,
-    )
-
-
-def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: str) -> RolloutSpec:
-    from easyvlm.data.images import vllm_mm_processor_kwargs
-    from easyvlm.rollout.base import sampling_with_overrides
-
-    r, data = cfg.worker.rollout, cfg.data
-    sampling = Sampling(
-        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=data.max_response_length,
-        ignore_eos=r.ignore_eos,
-    )
-    mm = vllm_mm_processor_kwargs(bundle.processor)  # vLLM resizes with the processor's limits, as the data does
-    engine = EngineSpec(
-        name=r.name,
-        model_dir=bundle.policy.model_dir,
-        hf_config=bundle.policy.hf_config,
-        hf_config_overrides=dict(cfg.worker.actor.model.override_config),
-        tokenizer_dir=bundle.tokenizer_dir,
-        trust_remote_code=bundle.policy.trust_remote_code,
-        device=device,
-        dtype=canonical_dtype(r.dtype),
-        seed=r.seed,
-        max_model_len=derived.rollout_max_model_len,
-        max_num_batched_tokens=r.max_num_batched_tokens,
-        max_num_seqs=derived.rollout_max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager,
-        enable_chunked_prefill=r.enable_chunked_prefill,
-        tensor_parallel_size=r.tensor_parallel_size,
-        limit_images=r.limit_images,
-        disable_log_stats=r.disable_log_stats,
-        disable_tqdm=r.disable_tqdm,
-        mm_processor_kwargs=mm,
-        sequence_tokens=data.max_prompt_length + data.max_response_length,
-        model_path=bundle.policy.model_path,
-        tokenizer_path=bundle.tokenizer_path,
-    )
-    return RolloutSpec(
-        engine=engine,
-        sampling=sampling,
-        val_sampling=sampling_with_overrides(sampling, r.val_override_config),
-        response_length=data.max_response_length,
-        tokens=bundle.tokens,
-        per_request_seed=r.per_request_seed,
-    )
-
-
 # ------------------------------------------------------------------------------------------- build
 def pick_device(cfg: PPOConfig) -> str:
     """``trainer.device``; ``auto`` = cuda when this machine sees a GPU (a cluster joined through
@@ -405,83 +196,6 @@ def agent_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AgentSpec]:
         tools=tuple(r.tools), tool_schemas=schemas, environment=r.environment, max_turns=r.max_turns,
         max_tokens_per_turn=r.max_tokens_per_turn, tool_timeout=r.tool_timeout,
     )
-
-
-def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardModelSpec]:
-    """The reward model's slice, its files checked here: a scalar sequence classifier that reads the
-    policy's token ids (it scores the policy's prompt + response tokens as they are)."""
-    from transformers import AutoTokenizer
-
-    from easyvlm.models.paths import resolve_model_path
-    from easyvlm.models.reward_model import reward_model_problem
-
-    rm = cfg.worker.reward_model
-    if not rm.enable:
-        return None
-    key = "worker.reward_model.model"
-    assert rm.model.model_path, "validate() requires the reward model's path"
-    files = ModelConfig(model_path=rm.model.model_path, override_config=dict(rm.model.override_config),
-                        trust_remote_code=rm.model.trust_remote_code, attn_implementation=rm.model.attn_implementation,
-                        enable_gradient_checkpointing=False)
-    model = model_spec(files, resolve_model_path(rm.model.model_path), trainable_lora=False, key=key)
-    problem = reward_model_problem(model.hf_config, f"{key}.model_path ({model.model_dir})")
-    if problem is None:
-        try:
-            same = AutoTokenizer.from_pretrained(model.model_dir, trust_remote_code=rm.model.trust_remote_code).get_vocab() \
-                == bundle.tokenizer.get_vocab()
-        except (OSError, ValueError):
-            same = True  # no tokenizer files: the vocabulary size check below still holds
-        policy_text, rm_text = bundle.policy.hf_config.get_text_config(), model.hf_config.get_text_config()
-        if not same or policy_text.vocab_size != rm_text.vocab_size:
-            problem = (f"{key}.model_path ({model.model_dir}) has another tokenizer than the policy; the reward model "
-                       "scores the policy's token ids as they are, so it must share the policy's tokenizer "
-                       "(train it from the policy's family with `python -m easyvlm.rm`)")
-    if problem is not None:
-        raise ConfigError([Problem(f"{key}.model_path", problem)])
-    forward = ForwardSpec(
-        padding_free=rm.padding_free, share_prompts=True, temperature=1.0, blocked_token_ids=(), use_torch_compile=False,
-        ulysses_size=1, experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
-    )
-    return RewardModelSpec(model=model, fsdp=rm.fsdp, forward=forward, normalize=rm.normalize)
-
-
-def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpec]:
-    """The judge's slice: its files loaded here (model config, tokenizer, processor), its template
-    compiled and its parser loaded, so that a broken one is a config error before anything starts."""
-    from easyvlm.config.schema import DataConfig
-    from easyvlm.data.images import vllm_mm_processor_kwargs
-    from easyvlm.rewards.judge import load_template
-    from easyvlm.utils.plugins import PluginError, load_plugin
-
-    j = cfg.worker.judge
-    if not j.enable:
-        return None
-    assert j.model_path and j.template and j.parser, "validate() requires the judge's model, template and parser"
-    bundle = load_bundle(ModelConfig(model_path=j.model_path, trust_remote_code=j.trust_remote_code), key="worker.judge")
-    try:
-        load_template(j.template)
-    except Exception as err:  # jinja2.TemplateSyntaxError, OSError
-        raise ConfigError([Problem("worker.judge.template", f"{j.template}: {type(err).__name__}: {err}")]) from err
-    try:
-        load_plugin(j.parser)
-    except PluginError as err:
-        raise ConfigError([Problem("worker.judge.parser", str(err))]) from err
-    sampling = Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=j.max_tokens, ignore_eos=False)
-    engine = dataclasses.replace(
-        policy_rollout.engine, name=j.engine, model_dir=bundle.policy.model_dir, hf_config=bundle.policy.hf_config,
-        hf_config_overrides={}, tokenizer_dir=bundle.tokenizer_dir, trust_remote_code=j.trust_remote_code,
-        model_path=bundle.policy.model_path, tokenizer_path=bundle.tokenizer_path,
-        max_model_len=j.max_prompt_length + j.max_tokens, sequence_tokens=j.max_prompt_length + j.max_tokens,
-        mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),
-        tensor_parallel_size=1,
-    )
-    rollout = RolloutSpec(engine=engine, sampling=sampling, val_sampling=sampling, response_length=j.max_tokens,
-                          tokens=bundle.tokens, per_request_seed=False)
-    data = DataConfig(prompt_key="prompt", answer_key="answer", image_key="images", max_prompt_length=j.max_prompt_length,
-                      min_pixels=j.min_pixels, max_pixels=j.max_pixels, prompt_truncation="error")
-    return JudgeSpec(rollout=rollout, data=data, tokenizer=bundle.tokenizer, processor=bundle.processor,
-                     template=j.template, parser=j.parser, num_workers=j.num_workers, timeout=j.timeout,
-                     on_error=j.on_error, cache_size=j.cache_size)
 
 
 def reward_settings(cfg: PPOConfig) -> Any:

@@ -84,7 +84,7 @@ def resolve(cfg: RMConfig) -> RMConfig:
 class RewardModelTrainer:
     def __init__(self, cfg: RMConfig):
         from easyvlm.models.reward_model import is_sequence_classifier, reward_model_problem, sequence_classification_config
-        from easyvlm.plan.build import load_bundle
+        from easyvlm.plan.models import load_bundle
         from easyvlm.workers.dist import init_distributed, worker_device
         from easyvlm.workers.forward import ForwardSetup, dummy_image_for
         from easyvlm.workers.optim import build_optimizer, build_scheduler

@@ -312,5 +312,5 @@ def _check_prompts(prompts: Batch, engine_prompt_ids: list[list[int]]) -> None:
                 f"prompt row {i}: vLLM's expansion of raw_prompt_ids ({len(engine_ids)} tokens) differs from the "
                 f"batch's input_ids ({len(expected)} tokens). raw_prompt_ids must be input_ids with one vision placeholder "
                 f"per image (not expanded), and vLLM's processor must keep the images' size (EngineSpec."
-                f"mm_processor_kwargs from easyvlm.data.images.vllm_mm_processor_kwargs)"
+                f"mm_processor_kwargs from easyvlm.data.videos.vllm_mm_processor_kwargs)"
             )

@@ -28,7 +28,7 @@ from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
 from easyvlm.plan.build import RunPlan
-from easyvlm.specs import with_total_steps
+from easyvlm.plan.roles import with_total_steps
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores

@@ -24,6 +24,7 @@ from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.errors import ConfigError
 from easyvlm.models.cpu_linear import onednn_linear_available
 from easyvlm.plan.build import RunPlan, build_plan, pick_device
+from easyvlm.trainer.nodes import prepare_nodes
 
 # what Ray workers need to see from the driver's environment (on a cluster joined through an
 # address, without _NODE_PATHS: paths of the driver's machine; each node has its own)
@@ -55,9 +56,11 @@ def start_ray(plan: RunPlan) -> Any:
         return ray
     if address:
         # the nodes' caches and import paths are their own (set by each node's `ray start`): builtin
-        # and hub models are resolved on each node, reward and loss files travel in the run plan
+        # models are built on each node, hub models come from each node's cache, reward and loss files
+        # travel in the run plan
         env = {k: v for k, v in env.items() if k not in _NODE_PATHS}
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
+        prepare_nodes(plan, ray)  # each node's cache gets the builtin models before any worker starts
     else:
         # logical CPUs: one per training process plus the reward actor's; the OS shares the cores
         cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + cfg.worker.reward.num_cpus

@@ -33,7 +33,8 @@ from torch import Tensor, nn
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.specs import ForwardSpec
-from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs, packed_segments
+from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs
+from easyvlm.models.segments import packed_segments
 from easyvlm.models.ulysses import (
     ULYSSES_KWARG,
     UlyssesAttention,

@@ -74,7 +74,7 @@ class TrainedModel:
 
     def __init__(self, model: nn.Module, update: UpdateSpec, offload: OffloadConfig, device: torch.device,
                  prefix: str, grad_scale: float):
-        assert update.total_steps > 0, "set UpdateSpec.total_steps (easyvlm.specs.with_total_steps)"
+        assert update.total_steps > 0, "set UpdateSpec.total_steps (easyvlm.plan.roles.with_total_steps)"
         self.model = model
         self.spec = update
         self.offload_spec = offload

@@ -16,12 +16,11 @@ from PIL import Image, ImageDraw
 from easyvlm.builtin.models import (
     BUILTIN_MODELS,
     SPECIAL_TOKENS,
-    ModelNotFoundError,
     build_model,
     build_tokenizer,
     materialize_model,
-    resolve_model_path,
 )
+from easyvlm.models.paths import ModelNotFoundError, resolve_model_path
 
 QUESTION = "What colour is the shape?"
 
@@ -234,23 +233,41 @@ def test_resolve_missing_local_path(tmp_path):
         resolve_model_path(str(tmp_path / "nope"))
 
 
-def test_a_node_without_the_drivers_directory_resolves_the_model_itself(tmp_path, tiny_model_path, monkeypatch):
+def test_a_node_without_the_drivers_directory_finds_the_model_but_never_builds(tmp_path, tiny_model_path, monkeypatch):
     """``local_model_dir``: what a worker on another node of a cluster loads (the driver's cache and
-    local paths do not exist there)."""
-    from easyvlm.builtin.models import local_model_dir
+    local paths do not exist there). It finds this node's build; it never builds one itself (no
+    worker or engine start may turn into a model build): the driver's node preparation builds it."""
+    from easyvlm.builtin.models import build_in_subprocess
+    from easyvlm.models.paths import local_model_dir
 
-    gone = str(tmp_path / "driver-cache" / Path(tiny_model_path).name)  # the driver's directory, not on this node
+    gone = str(tmp_path / "driver-cache" / "models" / Path(tiny_model_path).name)  # the driver's directory, not here
     assert local_model_dir(tiny_model_path, "builtin:tiny-qwen2.5-vl") == tiny_model_path  # present: used as is
     assert local_model_dir(gone) == gone  # nothing to resolve: the loader names the path
-    monkeypatch.setenv("EASYVLM_CACHE", str(tmp_path / "node-cache"))  # this node's own cache
-    built = Path(local_model_dir(gone, "builtin:tiny-qwen2.5-vl"))
+    monkeypatch.setenv("EASYVLM_CACHE", str(tmp_path / "node-cache"))  # this node's own cache, still empty
+    with pytest.raises(ModelNotFoundError, match=r"builtin:tiny-qwen2.5-vl is not built on this node .*"
+                       r"python -m easyvlm.builtin.models tiny-qwen2.5-vl"):
+        local_model_dir(gone, "builtin:tiny-qwen2.5-vl")
+    assert not (tmp_path / "node-cache").exists()  # the lookup built nothing
+    built = build_in_subprocess("tiny-qwen2.5-vl")  # what easyvlm.trainer.nodes runs on each node
     assert built.parent == tmp_path / "node-cache" / "models"
-    # built in another process (a worker is a torch.distributed rank), and the same bytes as the driver's
+    assert local_model_dir(gone, "builtin:tiny-qwen2.5-vl") == str(built)
+    # built in another process, and the same bytes as the driver's
     assert _sha256(built / "model.safetensors") == _sha256(Path(tiny_model_path) / "model.safetensors")
     with pytest.raises(ModelNotFoundError, match="does not exist on this node .*every node mounts at the same path"):
         local_model_dir(gone, str(tmp_path / "my-model"))
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE"):  # a hub id: this node's HF cache, then the hub
         local_model_dir(gone, "easyvlm-test/no-such-model")
+
+
+def test_the_run_names_its_builtin_models_for_the_nodes(tiny_model_path):
+    """easyvlm.trainer.nodes builds on every node what some worker of the run loads: the policy (and
+    its tokenizer), and nothing for a model given as a directory."""
+    from plan_testing import plan_for
+
+    from easyvlm.trainer.nodes import builtin_models
+
+    assert builtin_models(plan_for("builtin:tiny-qwen2.5-vl")) == ["tiny-qwen2.5-vl"]
+    assert builtin_models(plan_for(tiny_model_path)) == []
 
 
 def test_a_build_on_a_rank_other_than_0_is_refused_not_cached(tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def assert_vllm_matches_the_forward(batch, hf_model, model_path: str, processor,
     from vllm import LLM, SamplingParams
 
     from easyvlm.data.collate import concat_multi_modal_inputs
-    from easyvlm.data.images import vllm_mm_processor_kwargs
+    from easyvlm.data.videos import vllm_mm_processor_kwargs
     from easyvlm.models.position_ids import to_model_layout
     from easyvlm.rollout.vllm import vllm_request
 

@@ -28,8 +28,8 @@ from easyvlm.data.images import (
     processor_pixel_limits,
     resolve_image_path,
     smart_resize,
-    vllm_mm_processor_kwargs,
 )
+from easyvlm.data.videos import vllm_mm_processor_kwargs
 
 from data_testing import MAX_PIXELS, MIN_PIXELS, make_image
 

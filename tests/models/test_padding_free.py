@@ -11,13 +11,12 @@ from PIL import Image
 
 from easyvlm.models.padding_free import (
     VARLEN_ATTENTION,
-    Segment,
     cu_seqlens_from_position_ids,
     pack_inputs,
-    packed_segments,
     register_varlen_attention,
     varlen_attention_forward,
 )
+from easyvlm.models.segments import Segment, packed_segments
 
 
 @pytest.fixture(autouse=True)

@@ -417,7 +417,7 @@ def _loader_uids(argv: list[str], steps: int) -> list[list[str]]:
 
     from easyvlm.config.cli import parse_and_validate
     from easyvlm.data.dataloader import create_dataloaders
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
 
     cfg = parse_and_validate(argv)
     path = resolve_model_path(cfg.worker.actor.model.model_path)

@@ -169,7 +169,7 @@ JUDGE_KEYS = [
 def test_judge_keys_reach_the_spec(tiny_model_path):
     from plan_testing import plan_for
 
-    from easyvlm.builtin.models import resolve_model_path
+    from easyvlm.models.paths import resolve_model_path
 
     spec = plan_for(tiny_model_path, *JUDGE_KEYS, "worker.judge.engine=hf", "worker.judge.trust_remote_code=true",
                     "worker.judge.max_tokens=7", "worker.judge.max_prompt_length=300", "worker.judge.min_pixels=3136",

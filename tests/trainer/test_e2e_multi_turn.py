@@ -40,11 +40,12 @@ def zoom_caller(tmp_path_factory):
     rate: the format is mostly learnt, the boxes and colours barely)."""
     import dataclasses
 
+    from easyvlm.builtin.models import materialize_model
     from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start
 
     out = tmp_path_factory.mktemp("zoom_caller")
     spec = dataclasses.replace(WARM_STARTS["tiny-qwen2.5-vl-zoom"], steps=100, batch_size=8, lr=1e-3)
-    build_warm_start(spec, out, log=lambda line: None)
+    build_warm_start(spec, materialize_model(spec.base), out, log=lambda line: None)
     return str(out)
 
 
