@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from easyvlm.config.schema import FSDPConfig, OffloadConfig, OptimConfig
+from easyvlm.config.schema import RolloutCorrectionConfig
+from easyvlm.config.worker_schema import FSDPConfig, OffloadConfig, OptimConfig
 
 
 
@@ -312,3 +313,92 @@ class JudgeSpec:
     timeout: float
     on_error: str
     cache_size: int
+
+
+# ------------------------------------------------------------------------------------------- driver
+@dataclass(frozen=True)
+class RoundsSpec:
+    """How the driver gathers a step's samples (easyvlm.trainer.sampling)."""
+
+    prompt_groups: int
+    """Prompt groups a step trains on (``data.rollout_batch_size``)."""
+    online_filtering: bool
+    """DAPO's dynamic sampling: keep only groups whose mean ``filter_key`` is in (filter_low, filter_high)."""
+    filter_key: str
+    filter_low: float
+    filter_high: float
+    max_rounds: int
+    """``trainer.max_try_make_batch``: generation rounds a filtered step may take (-1 = no limit)."""
+    seed: int
+    """``worker.rollout.seed``, the root of the per-request sampling seeds (with ``per_request_seed``)."""
+    per_request_seed: bool
+    separate: bool
+    """The engines run in their own worker group (``worker.rollout.placement=separate``)."""
+    rollout_devices: int
+    """Devices of that group (``worker.rollout.num_devices``)."""
+    one_step_off: bool
+    """The next step's generation runs while this step trains."""
+    baseline: bool
+    """ReMax: one greedy response per prompt gives the baseline reward."""
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """From rewards to advantages, and which passes the step runs before (easyvlm.trainer.loop)."""
+
+    estimator: str
+    gamma: float
+    lam: float
+    norm_by_std: bool
+    kl_penalty: str
+    kl_type: str
+    kl_coef: float
+    kl_target: float
+    kl_horizon: float
+    kl_in_reward: bool
+    """The KL to the reference is subtracted from the token rewards (``Derived.kl_in_reward``)."""
+    kl_in_loss: bool
+    use_reference: bool
+    rollout_correction: RolloutCorrectionConfig
+    """``algorithm.rollout_correction`` (checked: it parses)."""
+    critic_warmup: int
+    """Steps that train the critic alone."""
+
+
+@dataclass(frozen=True)
+class RecordsSpec:
+    """What the run writes: metrics, validation generations, rollout pages, checkpoints."""
+
+    run_dir: str
+    """Absolute: logs, the learning curve, rollout pages and checkpoints (``Derived.save_checkpoint_path``)."""
+    loggers: tuple[str, ...]
+    project_name: str
+    experiment_name: str
+    config_record: dict
+    """The whole config as plain values: experiment_config.json and the trackers' run parameters."""
+    val_generations_to_log: int
+    rollout_log_freq: int
+    ray_timeline: Optional[str]
+    save_limit: int
+    save_model_only: bool
+    max_prompt_length: int
+    max_response_length: int
+    """Of ``data``: the length metrics' clip ratios."""
+    skip_special_tokens: bool
+    """``worker.reward.skip_special_tokens``: how responses are decoded for rewards and pages."""
+
+
+@dataclass(frozen=True)
+class DriverSpec:
+    """The driver's own settings (easyvlm.trainer): its loop, rounds, advantages and records."""
+
+    val_before_train: bool
+    val_only: bool
+    val_freq: int
+    save_freq: int
+    nnodes: int
+    reward_num_cpus: int
+    """CPUs of the reward actor (``worker.reward.num_cpus``)."""
+    rounds: RoundsSpec
+    advantage: AdvantageSpec
+    records: RecordsSpec

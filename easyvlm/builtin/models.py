@@ -257,28 +257,6 @@ def materialize_model(name: str = "tiny-qwen2.5-vl", cache_dir: str | os.PathLik
     return build_once(model_cache_dir(name, cache_dir), lambda out: build_model(spec, out, name=name))
 
 
-def build_in_subprocess(name: str) -> Path:
-    """``materialize_model(name)`` in a new Python process (a cluster node's preparation,
-    easyvlm.trainer.nodes): the build's memory goes back when it ends, and transformers'
-    ``save_pretrained``, which writes only on rank 0 of an initialised torch.distributed group,
-    writes here whatever the caller's process group."""
-    import subprocess
-    import sys
-
-    target = model_cache_dir(name)
-    if target.is_dir():
-        return target
-    scrubbed = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in scrubbed}
-    done = subprocess.run([sys.executable, "-m", "easyvlm.builtin.models", name], env=env, capture_output=True, text=True)
-    if done.returncode != 0 or not target.is_dir():
-        raise ModelNotFoundError(
-            f"building {BUILTIN_PREFIX}{name} into this node's cache ({cache_root()}) failed "
-            f"(python -m easyvlm.builtin.models {name}, exit {done.returncode}):\n{done.stderr[-3000:]}"
-        )
-    return target
-
-
 # ---------------------------------------------------------------------------------------------
 # Building
 
@@ -341,50 +319,10 @@ def _model_config(spec: BuiltinModelSpec, ids: dict[str, int], vocab_size: int):
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    patches = dict(
-        patch_size=spec.patch_size,
-        spatial_merge_size=spec.spatial_merge_size,
-        temporal_patch_size=spec.temporal_patch_size,
-    )
-    if spec.family == "qwen2_5_vl":
-        vision = dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            num_heads=spec.vision_num_heads,
-            out_hidden_size=spec.hidden_size,
-            **patches,
-            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
-        )
-    elif spec.family == "qwen2_vl":
-        if spec.vision_intermediate_size % spec.vision_hidden_size:
-            raise ValueError("Qwen2-VL: vision_intermediate_size must be a multiple of vision_hidden_size (mlp_ratio)")
-        vision = dict(
-            depth=spec.vision_depth,
-            embed_dim=spec.vision_hidden_size,
-            hidden_size=spec.hidden_size,  # Qwen2-VL's name for the merger's output size
-            mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
-            num_heads=spec.vision_num_heads,
-            **patches,
-        )
-    elif spec.family == "qwen3_vl":
-        # Qwen3-VL: a separate head_dim, q/k norms, interleaved mRoPE; a ViT with learned position
-        # embeddings and DeepStack features for the first decoder layers.
+    if spec.family == "qwen3_vl":
+        # Qwen3-VL: a separate head_dim, q/k norms, interleaved mRoPE (its vision tower: _vision_config)
         text.update(head_dim=head_dim, rope_parameters=dict(rope, rope_theta=5000000.0, mrope_interleaved=True))
-        if len(spec.vision_deepstack_indexes) >= spec.num_hidden_layers:
-            raise ValueError("Qwen3-VL: DeepStack features enter after decoder layers 0, 1, ...; spare the last one")
-        vision = dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            num_heads=spec.vision_num_heads,
-            out_hidden_size=spec.hidden_size,
-            **patches,
-            deepstack_visual_indexes=list(spec.vision_deepstack_indexes),
-            num_position_embeddings=spec.vision_num_position_embeddings,
-        )
-    else:
-        raise ValueError(f"unknown model family {spec.family!r}; known: {sorted(FAMILIES)}")
+    vision = _vision_config(spec)
     config_cls = getattr(transformers, FAMILIES[spec.family][0])
     extra = {}
     # Qwen2/2.5-VL's configs drop top-level copies of these ids (passed as the Qwen2.5-VL build always
@@ -404,6 +342,51 @@ def _model_config(spec: BuiltinModelSpec, ids: dict[str, int], vocab_size: int):
         tie_word_embeddings=False,
         dtype="float32",
     )
+
+
+def _vision_config(spec: BuiltinModelSpec) -> dict:
+    """The vision tower's config of ``spec``'s family (each family names the same sizes differently)."""
+    patches = dict(
+        patch_size=spec.patch_size,
+        spatial_merge_size=spec.spatial_merge_size,
+        temporal_patch_size=spec.temporal_patch_size,
+    )
+    if spec.family == "qwen2_5_vl":
+        return dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            **patches,
+            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
+        )
+    if spec.family == "qwen2_vl":
+        if spec.vision_intermediate_size % spec.vision_hidden_size:
+            raise ValueError("Qwen2-VL: vision_intermediate_size must be a multiple of vision_hidden_size (mlp_ratio)")
+        return dict(
+            depth=spec.vision_depth,
+            embed_dim=spec.vision_hidden_size,
+            hidden_size=spec.hidden_size,  # Qwen2-VL's name for the merger's output size
+            mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
+            num_heads=spec.vision_num_heads,
+            **patches,
+        )
+    if spec.family == "qwen3_vl":
+        # a ViT with learned position embeddings and DeepStack features for the first decoder layers
+        if len(spec.vision_deepstack_indexes) >= spec.num_hidden_layers:
+            raise ValueError("Qwen3-VL: DeepStack features enter after decoder layers 0, 1, ...; spare the last one")
+        return dict(
+            depth=spec.vision_depth,
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            num_heads=spec.vision_num_heads,
+            out_hidden_size=spec.hidden_size,
+            **patches,
+            deepstack_visual_indexes=list(spec.vision_deepstack_indexes),
+            num_position_embeddings=spec.vision_num_position_embeddings,
+        )
+    raise ValueError(f"unknown model family {spec.family!r}; known: {sorted(FAMILIES)}")
 
 
 def _processor(spec: BuiltinModelSpec, tokenizer):

@@ -9,22 +9,19 @@
 from easyvlm.config.derived import Derived, RoleBatching, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.loader import apply_overrides, load_config, to_yaml
-from easyvlm.config.schema import (
+from easyvlm.config.schema import AlgorithmConfig, DataConfig, PPOConfig, TrainerConfig
+from easyvlm.config.worker_schema import (
     ActorConfig,
-    AlgorithmConfig,
     CriticConfig,
-    DataConfig,
     FSDPConfig,
     LoraConfig,
     ModelConfig,
     OffloadConfig,
     OptimConfig,
-    PPOConfig,
     RefConfig,
     RewardConfig,
     RewardFunctionConfig,
     RolloutConfig,
-    TrainerConfig,
     WorkerConfig,
 )
 from easyvlm.config.validate import find_problems, validate

@@ -13,9 +13,7 @@ from typing import Any, Sequence
 
 from easyvlm.config.errors import Problem
 from easyvlm.config.introspect import describe, field_types, is_section, matches
-from easyvlm.config.schema import (
-    LOGGER_PACKAGES,
-)
+from easyvlm.config.names import LOGGER_PACKAGES
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, parse_plugin_spec
 
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.schema import ActorConfig, CriticConfig, PPOConfig
+from easyvlm.config.schema import PPOConfig
+from easyvlm.config.worker_schema import ActorConfig, CriticConfig
 from easyvlm.config.validate import validate
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from easyvlm.config.introspect import field_docs, field_types, is_section, render
-from easyvlm.config.schema import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS, POLICY_LOSSES, PPOConfig
+from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS, POLICY_LOSSES
+from easyvlm.config.schema import PPOConfig
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 README = Path(__file__).resolve().parents[2] / "README.md"

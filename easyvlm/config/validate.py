@@ -16,13 +16,9 @@ from pathlib import Path
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.rollout_correction import parse_is_threshold, parse_rejection
 from easyvlm.config.introspect import is_finite_number
-from easyvlm.config.schema import (
-    ADV_ESTIMATORS,
-    GROUP_ADV_ESTIMATORS,
-    PPOConfig,
-    RolloutConfig,
-    RolloutCorrectionConfig,
-)
+from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
+from easyvlm.config.schema import PPOConfig, RolloutCorrectionConfig
+from easyvlm.config.worker_schema import RolloutConfig
 from easyvlm.config.checks import Checks, check_fsdp, divisors, looks_local, missing_logger_packages, name_or_spec, type_problems
 from easyvlm.config.validate_workers import (
     check_actor, check_critic, check_judge, check_reward, check_reward_model, check_rollout, differs,

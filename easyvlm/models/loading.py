@@ -149,7 +149,7 @@ def load_model(
 
     hf_config = copy.deepcopy(spec.hf_config)  # the spec's config stays as the driver made it
     vision_language = is_vision_language_config(hf_config)
-    # the config check (validate.model_problems) refused other families before anything started
+    # the config check (easyvlm.plan.checks.model_problems) refused other families before anything started
     assert not vision_language or hf_config.model_type in MROPE_MODEL_TYPES, hf_config.model_type
     if role not in ("policy", "critic", "reward"):
         raise ValueError(f"load_model: role must be 'policy', 'critic' or 'reward', got {role!r}")
@@ -185,6 +185,13 @@ def load_model(
     if spec.lora is not None:
         model = apply_lora(model, spec.lora)
 
+    _set_trainable(model, spec, trainable)
+    return LoadedModel(model=model, hf_config=hf_config, is_vision_language=vision_language)
+
+
+def _set_trainable(model: nn.Module, spec: ModelSpec, trainable: bool) -> None:
+    """Frozen (a reference model), or trainable with the spec's frozen vision tower and gradient
+    checkpointing."""
     if not trainable:
         model.requires_grad_(False)
     elif spec.freeze_vision_tower:
@@ -198,7 +205,6 @@ def load_model(
         target = model.backbone if isinstance(model, ValueHeadModel) else model.model if isinstance(model, ScalarHeadModel) else model
         # non-reentrant: works with frozen inputs (no enable_input_require_grads hack) and FSDP2
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return LoadedModel(model=model, hf_config=hf_config, is_vision_language=vision_language)
 
 
 def _text_config(hf_config: Any) -> Any:

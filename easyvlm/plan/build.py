@@ -21,9 +21,12 @@ from typing import Any, Optional
 
 from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.schema import ModelConfig, PPOConfig, canonical_dtype
+from easyvlm.config.names import canonical_dtype
+from easyvlm.config.schema import PPOConfig
+from easyvlm.config.worker_schema import ModelConfig
 from easyvlm.config.validate import notices
 from easyvlm.specs import (
+    DriverSpec,
     ActorSpec,
     AgentSpec,
     CriticSpec,
@@ -34,14 +37,16 @@ from easyvlm.specs import (
     RolloutSpec,
 )
 from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
+from easyvlm.plan.driver import driver_spec
 from easyvlm.plan.models import load_bundle
 from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, reward_model_spec, rollout_spec
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """Everything a run needs, resolved once. The driver reads ``config`` (paths absolute) for the
-    loop's own settings; every role gets only its slice."""
+    """Everything a run needs, resolved once; every role gets only its slice, the driver's loop its
+    `DriverSpec`. ``config`` (paths absolute) is what the data loaders, the checkpoint manifest and
+    a GPU-cluster re-plan read."""
 
     config: PPOConfig
     derived: Derived
@@ -61,6 +66,7 @@ class RunPlan:
     """``worker.judge``; None = off."""
     notices: tuple[str, ...]
     """Valid settings that do something the user may not expect; printed at start."""
+    driver: DriverSpec
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -161,6 +167,7 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         reward_model=reward_model_spec(cfg, bundle),
         judge=judge_spec(cfg, rollout),
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
+        driver=driver_spec(cfg, derived),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import easyvlm.builtin
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.schema import ModelConfig
+from easyvlm.config.worker_schema import ModelConfig
 from easyvlm.config.checks import lora_module_names
 from easyvlm.specs import (
     LoraSpec,

@@ -9,7 +9,9 @@ from typing import Any, Optional
 
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.schema import ActorConfig, CriticConfig, ModelConfig, PPOConfig, canonical_dtype
+from easyvlm.config.names import canonical_dtype
+from easyvlm.config.schema import PPOConfig
+from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
 from easyvlm.specs import (
     ActorSpec,
     CriticSpec,

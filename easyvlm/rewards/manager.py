@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from easyvlm.config.schema import RewardConfig
+from easyvlm.config.worker_schema import RewardConfig
 from easyvlm.rewards.loader import LoadedReward, RewardFunctionSpec, load_reward_function
 from easyvlm.rewards.process import ServingProcess, StartError
 from easyvlm.rewards.types import RewardError, RewardInput, RewardResult

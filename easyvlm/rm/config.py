@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from easyvlm.config.checks import Checks, check_fsdp, check_model, check_optim
 from easyvlm.config.errors import Problem
-from easyvlm.config.schema import FSDPConfig, ModelConfig, OptimConfig
+from easyvlm.config.worker_schema import FSDPConfig, ModelConfig, OptimConfig
 
 
 @dataclass(frozen=True)

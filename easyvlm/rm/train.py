@@ -86,7 +86,8 @@ class RewardModelTrainer:
         from easyvlm.models.reward_model import is_sequence_classifier, reward_model_problem, sequence_classification_config
         from easyvlm.plan.models import load_bundle
         from easyvlm.workers.dist import init_distributed, worker_device
-        from easyvlm.workers.forward import ForwardSetup, dummy_image_for
+        from easyvlm.workers.forward import ForwardSetup
+        from easyvlm.workers.vision_dummy import dummy_image_for
         from easyvlm.workers.optim import build_optimizer, build_scheduler
         from easyvlm.workers.sharded import build_sharded_model
         from easyvlm.workers.training import model_dtype

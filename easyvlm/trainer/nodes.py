@@ -7,9 +7,15 @@ the driver's decision, made here once per node, so no worker or engine start tur
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
-from easyvlm.builtin.models import BUILTIN_PREFIX, build_in_subprocess
+from easyvlm.builtin.models import BUILTIN_PREFIX, model_cache_dir
+from easyvlm.models.paths import ModelNotFoundError
+from easyvlm.utils.cache import cache_root
 from easyvlm.plan.build import RunPlan
 
 
@@ -24,6 +30,24 @@ def builtin_models(plan: RunPlan) -> list[str]:
         paths += [plan.judge.rollout.engine.model_path, plan.judge.rollout.engine.tokenizer_path]
     names = {path[len(BUILTIN_PREFIX):] for path in paths if path.startswith(BUILTIN_PREFIX)}
     return sorted(names)
+
+
+def build_in_subprocess(name: str) -> Path:
+    """``materialize_model(name)`` in a new Python process: the build's memory goes back when it
+    ends, and transformers' ``save_pretrained``, which writes only on rank 0 of an initialised
+    torch.distributed group, writes there whatever the caller's process group."""
+    target = model_cache_dir(name)
+    if target.is_dir():
+        return target
+    scrubbed = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in scrubbed}
+    done = subprocess.run([sys.executable, "-m", "easyvlm.builtin.models", name], env=env, capture_output=True, text=True)
+    if done.returncode != 0 or not target.is_dir():
+        raise ModelNotFoundError(
+            f"building {BUILTIN_PREFIX}{name} into this node's cache ({cache_root()}) failed "
+            f"(python -m easyvlm.builtin.models {name}, exit {done.returncode}):\n{done.stderr[-3000:]}"
+        )
+    return target
 
 
 def _build_here(names: list[str]) -> list[str]:

@@ -31,13 +31,8 @@ from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
 from easyvlm.specs import ActorSpec, ModelBundle, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import (
-    ForwardSetup,
-    dummy_image_for,
-    micro_batches,
-    policy_logprobs_for_batch,
-    policy_token_outputs,
-)
+from easyvlm.workers.forward import ForwardSetup, micro_batches, policy_logprobs_for_batch, policy_token_outputs
+from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.fsdp import gather_full_state_dict
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget

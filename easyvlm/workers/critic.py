@@ -22,7 +22,8 @@ from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import loss_scale, new_ulysses_group
 from easyvlm.specs import CriticSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import ForwardSetup, dummy_image_for, micro_batches, outputs_with_vision, scatter_response
+from easyvlm.workers.forward import ForwardSetup, micro_batches, outputs_with_vision, scatter_response
+from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget
 from easyvlm.workers.update import MicroLoss, TrainedModel

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
+from easyvlm.workers.vision_dummy import MULTI_MODAL_KEY, DummyImage, with_dummy_image
 from easyvlm.specs import ForwardSpec
 from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs
 from easyvlm.models.segments import packed_segments
@@ -45,91 +46,8 @@ from easyvlm.models.ulysses import (
     ulysses_problem,
 )
 
-MULTI_MODAL_KEY = "multi_modal_inputs"
-
 PerToken = Callable[[Tensor, Tensor], Tensor]
 """(outputs (k, C), rows (k,) indices into the K valid response positions) -> (k, M)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# Vision-tower dummy. Under FSDP2 each vision block all-gathers its parameters in its forward (and
-# reduce-scatters gradients in the backward): if one rank's micro-batch runs the vision tower and
-# another's does not, their collectives go out of step and the job hangs (EasyR1 #468). Qwen-VL
-# models run the tower once for the images and once more for the videos of a forward, so every
-# micro-batch of a vision-language model runs it exactly that often: one without images gets a
-# dummy image, one without videos (for models that take videos) a dummy video, both in one extra
-# row. The extra row attends only to its own dummy tokens and has no response position, so no
-# output or loss depends on it; the tower's parameters get zero gradients from it (AdamW then still
-# applies its momentum and weight decay, as it does for every parameter that FSDP gives a gradient).
-
-
-@dataclass(frozen=True)
-class DummyImage:
-    """The smallest image (and video) the vision tower takes: one (1, m, m) grid = m*m patches =
-    1 token. ``video_token_id`` None: the model takes no videos."""
-
-    image_token_id: int
-    pixel_values: Tensor  # (m*m, C * temporal_patch * patch * patch)
-    image_grid_thw: Tensor  # (1, 3)
-    video_token_id: int | None = None  # the video: the same patches as pixel_values_videos, video_grid_thw
-
-
-def dummy_image_for(hf_config: Any) -> DummyImage | None:
-    """A DummyImage for Qwen2-VL / Qwen2.5-VL / Qwen3-VL configs, None for text-only models."""
-    vision = getattr(hf_config, "vision_config", None)
-    image_token_id = getattr(hf_config, "image_token_id", None)
-    if vision is None or image_token_id is None:
-        return None
-    m = vision.spatial_merge_size
-    channels = getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
-    dim = channels * vision.temporal_patch_size * vision.patch_size**2
-    video_token_id = getattr(hf_config, "video_token_id", None)
-    return DummyImage(
-        image_token_id=int(image_token_id),
-        pixel_values=torch.zeros(m * m, dim),
-        image_grid_thw=torch.tensor([[1, m, m]]),
-        video_token_id=None if video_token_id is None else int(video_token_id),
-    )
-
-
-def _has(batch: Batch, key: str) -> bool:
-    return any(item and item.get(key) is not None for item in batch.get(MULTI_MODAL_KEY) or [])
-
-
-def with_dummy_image(batch: Batch, dummy: DummyImage) -> Batch:
-    """``batch`` as is if its vision inputs already run the tower once for images and (if the model
-    takes videos) once for videos; else its forward keys plus row B holding the missing dummy
-    image (last token) and/or dummy video (first token), the rest padding. Neither dummy token
-    follows an attended token in the response part, so row B has no valid response position (no
-    output is read from it); a batch of length < 3 is left padded by one column first to keep
-    the two apart."""
-    need_image = not _has(batch, "pixel_values")
-    need_video = dummy.video_token_id is not None and not _has(batch, "pixel_values_videos")
-    if not (need_image or need_video):
-        return batch
-    keys = ("input_ids", "attention_mask", "position_ids", "responses")
-    tensors = {key: batch[key] for key in keys}
-    if tensors["input_ids"].shape[1] < 3:  # prompt of 1 + response of 1: make room (left padding)
-        for key in ("input_ids", "attention_mask", "position_ids"):
-            value = tensors[key]
-            tensors[key] = torch.cat([torch.zeros_like(value[..., :1]), value], dim=-1)
-    B, L = tensors["input_ids"].shape
-    for key in keys:
-        value = tensors[key]
-        extra = torch.zeros((1,) + tuple(value.shape[1:]), dtype=value.dtype, device=value.device)
-        tensors[key] = torch.cat([value, extra], dim=0)
-    item: dict[str, Tensor] = {}
-    if need_image:
-        tensors["input_ids"][B, L - 1] = dummy.image_token_id
-        tensors["attention_mask"][B, L - 1] = True
-        item.update(pixel_values=dummy.pixel_values, image_grid_thw=dummy.image_grid_thw)
-    if need_video:
-        tensors["input_ids"][B, 0] = dummy.video_token_id
-        tensors["attention_mask"][B, 0] = True
-        item.update(pixel_values_videos=dummy.pixel_values, video_grid_thw=dummy.image_grid_thw)
-    items = list(batch.get(MULTI_MODAL_KEY) or [{}] * B)
-    items.append(item)
-    return Batch(tensors, {MULTI_MODAL_KEY: items})
 
 
 def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
@@ -280,19 +198,7 @@ def response_outputs(
         assert not lm_head, "at_last_token reads a scalar head's outputs"
         last = (attention_mask.long() * torch.arange(L, device=device)).argmax(-1)  # (B,) last attended column
         valid = torch.ones(B, 1, dtype=torch.bool, device=device)
-    items = list(batch.get(MULTI_MODAL_KEY) or [])
-    sources = None
-    if padding_free and setup.share_prompts and B > 1:
-        image_token_id = getattr(model.config, "image_token_id", None)
-        sources = shared_prompt_sources(batch, P, image_token_id)
-        if items:  # a reused prompt's image tokens are not in the packed row: nor are its images (its tools' are)
-            items = [
-                item if int(sources[b]) == b
-                else split_prompt_images(item, batch["input_ids"][b], batch["attention_mask"][b], P, image_token_id)[1]
-                for b, item in enumerate(items)
-            ]
-    extra: dict[str, Any] = {k: v.to(device) for k, v in concat_multi_modal_inputs(items).items()}
-    extra["use_cache"] = False
+    sources, extra = _prompt_sources_and_images(model, batch, setup, P)
 
     if padding_free:
         packed = pack_inputs(
@@ -319,6 +225,25 @@ def response_outputs(
     if per_token is None:
         return out, valid
     return per_token(out, torch.arange(out.shape[0], device=out.device)), valid
+
+
+def _prompt_sources_and_images(model: nn.Module, batch: Batch, setup: ForwardSetup, P: int) -> tuple[Tensor | None, dict]:
+    """(each row's prompt source, or None without shared prompts; the model's extra inputs: the
+    images of the prompts that run, on the device, and no KV cache)."""
+    items = list(batch.get(MULTI_MODAL_KEY) or [])
+    sources = None
+    if setup.padding_free and setup.share_prompts and len(batch) > 1:
+        image_token_id = getattr(model.config, "image_token_id", None)
+        sources = shared_prompt_sources(batch, P, image_token_id)
+        if items:  # a reused prompt's image tokens are not in the packed row: nor are its images (its tools' are)
+            items = [
+                item if int(sources[b]) == b
+                else split_prompt_images(item, batch["input_ids"][b], batch["attention_mask"][b], P, image_token_id)[1]
+                for b, item in enumerate(items)
+            ]
+    extra: dict[str, Any] = {k: v.to(setup.device) for k, v in concat_multi_modal_inputs(items).items()}
+    extra["use_cache"] = False
+    return sources, extra
 
 
 def _ulysses_outputs(

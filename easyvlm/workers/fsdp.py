@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from easyvlm.config.schema import FSDPConfig, canonical_dtype
+from easyvlm.config.names import canonical_dtype
+from easyvlm.config.worker_schema import FSDPConfig
 
 DTYPES = {
     "bf16": torch.bfloat16,

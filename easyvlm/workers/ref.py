@@ -14,7 +14,8 @@ from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
 from easyvlm.specs import RefSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_log_distribution, policy_logprobs_for_batch
+from easyvlm.workers.forward import ForwardSetup, policy_log_distribution, policy_logprobs_for_batch
+from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.fsdp import load_model_to, offload_model
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, model_dtype, token_budget

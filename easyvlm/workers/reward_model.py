@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from easyvlm.data.batch import Batch
 from easyvlm.specs import RewardModelSpec
 from easyvlm.workers.dist import worker_device
-from easyvlm.workers.forward import ForwardSetup, dummy_image_for, micro_batches, outputs_with_vision
+from easyvlm.workers.forward import ForwardSetup, micro_batches, outputs_with_vision
+from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from easyvlm.config.schema import FSDPConfig
+from easyvlm.config.worker_schema import FSDPConfig
 from easyvlm.models.cpu_linear import onednn_linear_available, use_onednn_linears
 from easyvlm.models.loading import ModelRole, load_model
 from easyvlm.specs import ModelSpec

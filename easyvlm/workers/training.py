@@ -4,7 +4,7 @@ clipping with non-finite skipping, sharded checkpoints, token budgets.
 Why equal counts: FSDP2 all-gathers each block's parameters in its forward and reduce-scatters its
 gradients in the backward, as collectives. Every rank must therefore run the same number of
 forward/backward passes, even when its own share cuts into fewer micro-batches (and the vision
-tower in each of them: see ``forward.with_dummy_image``).
+tower in each of them: see ``vision_dummy.with_dummy_image``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from easyvlm.data.batch import Batch
-from easyvlm.config.schema import FSDPConfig, canonical_dtype
+from easyvlm.config.names import canonical_dtype
+from easyvlm.config.worker_schema import FSDPConfig
 from easyvlm.specs import MicroBatching
 from easyvlm.utils.safe_state import SafeFileSystemReader, SafeLoadPlanner, load_state, rng_state, set_rng_state
 from easyvlm.workers.fsdp import DTYPES

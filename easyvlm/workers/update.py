@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from easyvlm.algorithms.aggregation import loss_normalizer
-from easyvlm.config.schema import OffloadConfig
+from easyvlm.config.worker_schema import OffloadConfig
 from easyvlm.data.batch import Batch
 from easyvlm.specs import UpdateSpec
 from easyvlm.workers.forward import micro_batches

@@ -12,14 +12,14 @@ from easyvlm.algorithms import (
     kl_names,
     policy_loss_names,
 )
-from easyvlm.config import schema
+from easyvlm.config import names
 
 
 def test_names_agree_with_the_config_schema():
-    assert set(schema.ADV_ESTIMATORS) == set(advantage_names())
-    assert set(schema.POLICY_LOSSES) == set(policy_loss_names())
-    assert set(typing.get_args(schema.KLPenalty)) == set(kl_names())
-    assert set(typing.get_args(schema.LossAvgMode)) == set(LOSS_AVG_MODES)
+    assert set(names.ADV_ESTIMATORS) == set(advantage_names())
+    assert set(names.POLICY_LOSSES) == set(policy_loss_names())
+    assert set(typing.get_args(names.KLPenalty)) == set(kl_names())
+    assert set(typing.get_args(names.LossAvgMode)) == set(LOSS_AVG_MODES)
 
 
 def test_group_estimators_are_the_ones_that_need_a_group():
@@ -35,4 +35,4 @@ def test_group_estimators_are_the_ones_that_need_a_group():
         baseline_rewards=torch.zeros(3),
     )
     lone_is_zero = {name for name in advantage_names() if get_advantage(name)(inputs).advantages[0, 0] == 0}
-    assert lone_is_zero == set(schema.GROUP_ADV_ESTIMATORS)
+    assert lone_is_zero == set(names.GROUP_ADV_ESTIMATORS)

@@ -237,7 +237,7 @@ def test_a_node_without_the_drivers_directory_finds_the_model_but_never_builds(t
     """``local_model_dir``: what a worker on another node of a cluster loads (the driver's cache and
     local paths do not exist there). It finds this node's build; it never builds one itself (no
     worker or engine start may turn into a model build): the driver's node preparation builds it."""
-    from easyvlm.builtin.models import build_in_subprocess
+    from easyvlm.trainer.nodes import build_in_subprocess
     from easyvlm.models.paths import local_model_dir
 
     gone = str(tmp_path / "driver-cache" / "models" / Path(tiny_model_path).name)  # the driver's directory, not here

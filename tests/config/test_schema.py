@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from easyvlm.config.introspect import all_keys, field_docs, type_at
-from easyvlm.config.schema import PPOConfig, canonical_dtype
+from easyvlm.config.names import canonical_dtype
+from easyvlm.config.schema import PPOConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

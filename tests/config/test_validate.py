@@ -9,7 +9,8 @@ import pytest
 
 from easyvlm.config.errors import ConfigError
 from easyvlm.config.loader import load_config
-from easyvlm.config.schema import GROUP_ADV_ESTIMATORS, PPOConfig
+from easyvlm.config.names import GROUP_ADV_ESTIMATORS
+from easyvlm.config.schema import PPOConfig
 from easyvlm.config.validate import find_problems, validate
 
 REPO = Path(__file__).resolve().parents[2]

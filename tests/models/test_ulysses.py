@@ -160,7 +160,8 @@ def test_bad_ulysses_settings_are_refused_before_any_collective(tiny_model_path)
     and the padded forward are errors that name the setting (no process group is needed to see them)."""
     from transformers import AutoModelForImageTextToText
 
-    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, outputs_with_vision, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, outputs_with_vision, policy_logprobs
+    from easyvlm.workers.vision_dummy import dummy_image_for
 
     batch = batches(tiny_model_path)["short"]
     blocked = blocked_ids(tiny_model_path)

@@ -92,7 +92,8 @@ def logprobs_and_loss(model, batch: Batch, blocked, *, share_prompts: bool, norm
     """policy_logprobs with entropies, and the actor-style loss: token-mean of
     -advantage * logprob - ENTROPY_COEF * entropy, divided by ``normalizer``."""
     from easyvlm.algorithms.aggregation import aggregate_loss
-    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, policy_logprobs
+    from easyvlm.workers.vision_dummy import dummy_image_for
 
     setup = ForwardSetup(torch.device("cpu"), True, blocked_token_ids=tuple(blocked), temperature=TEMPERATURE,
                          share_prompts=share_prompts, dummy_image=dummy_image_for(model.config), ulysses=ulysses)
@@ -105,7 +106,8 @@ def logprobs_and_loss(model, batch: Batch, blocked, *, share_prompts: bool, norm
 def values_and_loss(critic, batch: Batch, *, normalizer: float, ulysses=None):
     """The critic's (B, T) values and a loss linear in them: token-mean of advantage * value."""
     from easyvlm.algorithms.aggregation import aggregate_loss
-    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, outputs_with_vision, scatter_response
+    from easyvlm.workers.forward import ForwardSetup, outputs_with_vision, scatter_response
+    from easyvlm.workers.vision_dummy import dummy_image_for
 
     setup = ForwardSetup(torch.device("cpu"), True, dummy_image=dummy_image_for(critic.config), ulysses=ulysses)
     out, valid = outputs_with_vision(critic, batch, setup, lm_head=False)  # (K, 1)

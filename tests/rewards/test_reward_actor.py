@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 from rewards_testing import SHIPPED, inp, write_file
 
-from easyvlm.config.schema import RewardConfig, RewardFunctionConfig
+from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
 from easyvlm.data.batch import Batch
 from easyvlm.rewards import RewardError
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
@@ -109,7 +109,8 @@ def test_reward_actor_scores_asynchronously_and_raises_in_the_driver(ray_session
 
 def test_bad_spec_fails_in_the_driver_before_any_actor(tmp_path):
     from easyvlm.config.errors import ConfigError
-    from easyvlm.config.schema import PPOConfig, RewardConfig, WorkerConfig
+    from easyvlm.config.schema import PPOConfig
+    from easyvlm.config.worker_schema import RewardConfig, WorkerConfig
     from easyvlm.plan.build import reward_settings
 
     cfg = PPOConfig(worker=WorkerConfig(reward=RewardConfig(reward_function=str(tmp_path / "missing.py"))))

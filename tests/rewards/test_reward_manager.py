@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from rewards_testing import SHIPPED, inp, manager, write_file
 
-from easyvlm.config.schema import RewardConfig, RewardFunctionConfig
+from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
 from easyvlm.rewards import RewardError, RewardFunctionSpec, RewardSettings
 
 pytestmark = pytest.mark.slow

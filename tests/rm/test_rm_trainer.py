@@ -48,7 +48,7 @@ def test_config_problems_exit_before_anything_loads(tmp_path, capsys):
 
 def test_pairs_are_consecutive_rows_with_their_margin(tiny_model_path):
     from easyvlm.plan.models import load_bundle
-    from easyvlm.config.schema import ModelConfig
+    from easyvlm.config.worker_schema import ModelConfig
     from easyvlm.rm.config import PreferenceDataConfig
     from easyvlm.rm.data import PreferenceDataset, collate_pairs
 
@@ -98,7 +98,7 @@ def test_print_config_shows_the_resolved_config(capsys):
 
 def test_margins_are_read_and_checked(tiny_model_path, tmp_path):
     from easyvlm.builtin.synthetic import resolve_builtin_dataset
-    from easyvlm.config.schema import ModelConfig
+    from easyvlm.config.worker_schema import ModelConfig
     from easyvlm.data.loading import DataError
     from easyvlm.plan.models import load_bundle
     from easyvlm.rm.config import PreferenceDataConfig

@@ -397,7 +397,8 @@ def test_actor_logprobs_equal_vllm_logprobs(engine, plan, model, prompts, temper
     """policy_logprobs (what the actor and the reference model compute) on vLLM's own samples
     equals vLLM's rollout_logprobs: both are softmax(logits / temperature) without the blocked ids
     (vision placeholders, which the random tiny model gives real probability)."""
-    from easyvlm.workers.forward import ForwardSetup, dummy_image_for, policy_logprobs
+    from easyvlm.workers.forward import ForwardSetup, policy_logprobs
+    from easyvlm.workers.vision_dummy import dummy_image_for
 
     out = engine.generate(prompts, with_sampling(engine, n=4, temperature=temperature))
     mask = out["response_mask"]

@@ -214,7 +214,7 @@ def mixed_media_rows(tmp_path):
 def test_mixed_media_rows_train_a_step_on_two_ranks(e2e_base_args, mixed_media_rows, tmp_path):
     """Text, image, video-file and frame-list rows in one step on 2 FSDP ranks. In file order the
     first rank's samples have no video and the second's no image: each runs the vision tower as
-    often as the other (easyvlm.workers.forward.with_dummy_image), or the step would hang."""
+    often as the other (easyvlm.workers.vision_dummy.with_dummy_image), or the step would hang."""
     from easyvlm.trainer.main import main
 
     out = tmp_path / "run"

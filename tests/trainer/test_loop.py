@@ -19,8 +19,9 @@ from plan_testing import plan_for
 
 from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
-from easyvlm.trainer import loop as loop_module
-from easyvlm.trainer.loop import OnlineFilterError, Trainer
+from easyvlm.trainer import loop, sampling, scoring, topology, validation
+from easyvlm.trainer.loop import Trainer
+from easyvlm.trainer.sampling import OnlineFilterError
 
 N = 4  # samples per prompt
 # accuracy of sample j of prompt i: ACCURACY[i % 4][j]. Group means: 1, 0.25, 0.75, 0; of
@@ -179,9 +180,10 @@ def make_trainer(monkeypatch, tiny_model_path, tmp_path, *overrides, rows=16, va
         get=lambda ref: ref, kill=lambda actor: None, timeline=lambda filename: fakes.ray.timelines.append(filename),
         wait=lambda refs, num_returns, timeout: (list(refs), []),  # every answer is there at once
     )
-    monkeypatch.setattr(loop_module, "WorkerGroup", group)
-    monkeypatch.setattr(loop_module, "create_reward_actor", reward_actor)
-    monkeypatch.setattr(loop_module, "ray", fake_ray)
+    monkeypatch.setattr(topology, "WorkerGroup", group)
+    monkeypatch.setattr(topology, "create_reward_actor", reward_actor)
+    for module in (loop, sampling, scoring, topology, validation):  # every driver module that calls Ray
+        monkeypatch.setattr(module, "ray", fake_ray)
     size = plan.derived.prompts_per_generation_round
     val = FakeLoader(val_rows, val_rows, prefix="v") if val_rows else None
     trainer = Trainer(plan, FakeLoader(rows, size), val, resources=None)
@@ -410,7 +412,7 @@ def test_without_online_filtering_every_group_is_kept(monkeypatch, tiny_model_pa
 @pytest.mark.parametrize("per_request_seed", [False, True])
 def test_per_request_seed_seeds_each_generation_call(monkeypatch, tiny_model_path, tmp_path, per_request_seed):
     from easyvlm.rollout.base import SEED_KEY, mix_seeds
-    from easyvlm.trainer.loop import TRAIN_CALL
+    from easyvlm.trainer.sampling import TRAIN_CALL
 
     trainer, fakes = make_trainer(monkeypatch, tiny_model_path, tmp_path, "worker.rollout.seed=9",
                                   f"worker.rollout.per_request_seed={str(per_request_seed).lower()}")

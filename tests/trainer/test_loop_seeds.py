@@ -7,7 +7,7 @@ import torch
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import SEED_KEY, mix_seeds
 from easyvlm.trainer.core import seeded_prompts
-from easyvlm.trainer.loop import TRAIN_CALL, VAL_CALL
+from easyvlm.trainer.sampling import TRAIN_CALL, VAL_CALL
 
 
 def test_seeds_follow_the_call_and_leave_the_prompts_alone():

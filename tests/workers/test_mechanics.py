@@ -6,13 +6,8 @@ from __future__ import annotations
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.workers.forward import (
-    DummyImage,
-    response_valid_mask,
-    scatter_response,
-    split_by_token_budget,
-    with_dummy_image,
-)
+from easyvlm.workers.forward import response_valid_mask, scatter_response, split_by_token_budget
+from easyvlm.workers.vision_dummy import DummyImage, with_dummy_image
 from easyvlm.workers.fsdp import merge_lora_state_dict
 
 

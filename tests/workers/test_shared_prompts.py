@@ -64,7 +64,7 @@ def test_shared_prompts_shorten_the_packed_row(process_group, tiny_model_path, g
     assert shared < unshared * 0.6  # the prompts (~20-40 tokens) dominate these short responses
     one_micro = dict(micro_batch_size_per_device_for_experience=9)
     # + 1: the batch has images but no video, so the forward adds a one-token dummy video row (every
-    # micro-batch runs the vision tower for images and for videos: forward.with_dummy_image)
+    # micro-batch runs the vision tower for images and for videos: vision_dummy.with_dummy_image)
     assert packed_lengths(make_actor(tiny_model_path, share_prompts=False, **one_micro), group_batch) == [unshared + 1]
     assert packed_lengths(make_actor(tiny_model_path, share_prompts=True, **one_micro), group_batch) == [shared + 1]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easyvlm.config.schema import OffloadConfig, OptimConfig
+from easyvlm.config.worker_schema import OffloadConfig, OptimConfig
 from easyvlm.specs import MicroBatching, UpdateSpec
 from easyvlm.workers import update as update_module
 from easyvlm.workers.update import TrainedModel

@@ -1,0 +1,116 @@
+"""The run's processes: which worker groups exist for a `RunPlan`, where their ranks run, how much
+memory they hold, and stopping them."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import ray
+
+from easyvlm.agents.setup import DriverRollout
+from easyvlm.data.batch import MODEL_INPUT_KEYS, Batch
+from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
+from easyvlm.plan.build import RunPlan
+from easyvlm.plan.roles import with_total_steps
+from easyvlm.rewards.actor import create_reward_actor
+from easyvlm.rewards.judge import Judge
+from easyvlm.rewards.model_scores import RewardModelScores
+from easyvlm.utils.memory import peak_rss_bytes, peak_rss_metrics
+from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost, RolloutHost
+
+
+class Workers:
+    """The reward actor, the hybrid group (actor, reference model and, colocated, the engines), the
+    separate rollout group, the critic, the reward model group and the judge's engines of one run.
+
+    ``rollout`` is how the driver generates (one engine call, or the multi-turn loop with tools);
+    ``encoder``: the training set's prompt encoder, which the multi-turn loop renders turns with."""
+
+    def __init__(self, plan: RunPlan, resources: Resources | None, total_steps: int, encoder: Any):
+        self.reward_actor = create_reward_actor(plan.reward, plan.driver.reward_num_cpus)
+        self.hybrid: WorkerGroup | None = None
+        self.critic: WorkerGroup | None = None
+        self.reward_model: WorkerGroup | None = None
+        self.reward_model_scores: RewardModelScores | None = None
+        self.judge: Judge | None = None
+        self.rollout_group: WorkerGroup | None = None  # worker.rollout.placement=separate
+        self._peak_asks: dict[str, list] = {}  # perf/peak_rss_gb: questions not answered yet (a busy group's)
+        self._peaks: dict[str, list[int]] = {}  # each process's last answer, bytes (a group's by rank)
+        try:
+            self._start(plan, resources, total_steps, encoder)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, plan: RunPlan, resources: Resources | None, total_steps: int, encoder: Any) -> None:
+        # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
+        share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
+        actor = with_total_steps(plan.actor, total_steps)
+        rounds = plan.driver.rounds
+        if plan.judge is not None:
+            self.judge = Judge(plan.judge)
+        engines = None if rounds.separate else plan.rollout  # colocated: each hybrid rank holds an engine
+        self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, engines), share=share)
+        if rounds.separate:  # the engines on their own devices: as many ranks as worker.rollout.num_devices
+            rollout_resources = dataclasses.replace(resources, world_size=rounds.rollout_devices) \
+                if resources is not None else None
+            self.rollout_group = WorkerGroup("rollout", rollout_resources, partial(RolloutHost, plan.rollout))
+        engine_group = self.rollout_group or self.hybrid
+        self.rollout = DriverRollout(plan, encoder,
+                                     lambda batch, sampling: engine_group.dispatch("generate", batch, sampling=sampling))
+        if plan.critic is not None:
+            critic = partial(CriticHost, with_total_steps(plan.critic, total_steps))
+            self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
+        if plan.reward_model is not None:
+            self.reward_model = WorkerGroup("reward_model", resources, partial(RewardModelHost, plan.reward_model),
+                                            pg=self.hybrid.pg, share=share)
+            group = self.reward_model
+            self.reward_model_scores = RewardModelScores(
+                lambda batch: group.dispatch("compute_scores", model_inputs(batch)),
+                plan.reward_model.normalize,
+            )
+
+    def placement(self, nnodes: int) -> list[str]:
+        """Where the ranks and the reward actor run, when the run spans nodes (nothing on one node):
+        ``easyvlm.distributed.worker_group.placement_report``."""
+        groups = {name: group.nodes for name, group in (("hybrid", self.hybrid), ("rollout", self.rollout_group))
+                  if group is not None}
+        return placement_report(groups, {"reward actor": ray.get(self.reward_actor.node.remote())}, nnodes)
+
+    def peak_memory(self, generating_ahead: bool) -> dict[str, float]:
+        """``perf/peak_rss_gb/<process>``: the peak resident memory so far of the driver, of each worker
+        group (its largest rank's) and of the reward actor (``easyvlm.utils.memory``). A group busy
+        with the next step's generation in the background (``generating_ahead``, one_step_off: the
+        rollout group and the reward actor) is not waited for: it answers a later step, and its last
+        answer is logged meanwhile."""
+        groups = {"hybrid": self.hybrid, "critic": self.critic, "reward_model": self.reward_model,
+                  "rollout": self.rollout_group}
+        for name, group in groups.items():
+            if group is not None and name not in self._peak_asks:
+                self._peak_asks[name] = [w.peak_rss.remote() for w in group.workers]
+        self._peak_asks.setdefault("reward", [self.reward_actor.peak_rss.remote()])
+        for name, refs in list(self._peak_asks.items()):
+            busy = name in ("rollout", "reward") and generating_ahead
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if busy else None)
+            if len(ready) == len(refs):
+                self._peaks[name] = ray.get(refs)
+                del self._peak_asks[name]
+        return peak_rss_metrics({"driver": peak_rss_bytes(), **self._peaks})
+
+    def shutdown(self) -> None:
+        """Stop this run's Ray actors and free their resources. Ray itself stays up, so a process
+        can run one trainer after another (the end-to-end tests do)."""
+        for group in (self.rollout_group, self.reward_model, self.critic, self.hybrid):
+            if group is not None:
+                group.shutdown()
+        self.rollout_group = self.reward_model = self.critic = self.hybrid = None
+        ray.kill(self.reward_actor)
+        if self.judge is not None:
+            self.judge.close()
+
+
+def model_inputs(batch: Batch) -> Batch:
+    """What the workers' forward passes read (tensors and vision inputs), without the rest."""
+    return batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)
