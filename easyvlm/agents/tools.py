@@ -69,9 +69,8 @@ class ToolResult:
 def _shipped() -> dict[str, Callable[..., Any]]:
     from easyvlm.agents import shipped
 
-    return {"image_zoom": shipped.image_zoom, "calculator": shipped.calculator}
-
-
+    # each shipped tool is the function of its name in easyvlm.agents.shipped
+    return {name: getattr(shipped, name) for name in SHIPPED_TOOLS}
 
 
 def tool_schema(function: Callable[..., Any], name: str | None = None) -> tuple[dict, tuple[str, ...]]:

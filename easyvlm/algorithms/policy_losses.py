@@ -47,8 +47,13 @@ from torch import Tensor
 from easyvlm.algorithms.aggregation import aggregate_loss, canonical_loss_avg_mode
 from easyvlm.algorithms.masked import check_mask, masked_mean, masked_sum, zero_masked
 from easyvlm.algorithms.registry import Registry
+from easyvlm.config.worker_schema import ActorConfig
 
 LOG_RATIO_CLAMP = 20.0
+
+
+# The defaults of the hyperparameters are worker.actor's: one definition, in the config schema.
+_ACTOR = ActorConfig()
 
 
 @dataclass(frozen=True)
@@ -63,17 +68,17 @@ class PolicyLossInputs:
     """(B, T) float."""
     response_mask: Tensor
     """(B, T) bool: True = the token counts in the loss."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = _ACTOR.clip_ratio_low
     """PPO epsilon below 1: the ratio is clipped at 1 - clip_ratio_low. arXiv:1707.06347."""
-    clip_ratio_high: float = 0.3
+    clip_ratio_high: float = _ACTOR.clip_ratio_high
     """Epsilon above 1 (DAPO's clip-higher, arXiv:2503.14476): clipped at 1 + clip_ratio_high."""
-    clip_ratio_dual: float = 3.0
+    clip_ratio_dual: float = _ACTOR.clip_ratio_dual
     """Dual-clip constant c > 1: for A < 0 the loss is at most -A * c. arXiv:1912.09729."""
-    tau_positive: float = 1.0
+    tau_positive: float = _ACTOR.tau_positive
     """SAPO gate temperature for tokens with A >= 0 (larger = the gradient fades faster as r leaves 1)."""
-    tau_negative: float = 1.05
+    tau_negative: float = _ACTOR.tau_negative
     """SAPO gate temperature for tokens with A < 0; the paper keeps it above tau_positive. arXiv:2511.20347."""
-    loss_avg_mode: str = "token"
+    loss_avg_mode: str = _ACTOR.loss_avg_mode
     """Aggregation mode, see aggregation.py (aliases accepted)."""
     normalizer: float | None = None
     """N of the whole mini-batch from ``loss_normalizer``; None = this batch is the mini-batch."""

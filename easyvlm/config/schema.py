@@ -68,6 +68,8 @@ class DataConfig:
     """Shuffle the training prompts each epoch."""
     seed: int = 1
     """Seed of the training data shuffle."""
+    # EasyR1's defaults, so its configs mean the same here (worker.judge and the reward-model trainer
+    # have their own, each saying why)
     min_pixels: Optional[int] = 262144
     """Images smaller than this many pixels are upscaled (aspect kept, sides truncated, as EasyR1's
     `process_image`); the model processor's own limits then round the sides to its patch grid, so

@@ -312,6 +312,7 @@ class JudgeConfig:
     """Verdict tokens."""
     max_prompt_length: int = 1024
     """Judge prompt tokens (images included); longer prompts fail as a judge error."""
+    # None, not data.min_pixels' default: the judge is another model, whose processor knows its own limits
     min_pixels: Optional[int] = None
     """Pixel limits of the judge's images; None = the judge processor's own."""
     max_pixels: Optional[int] = None

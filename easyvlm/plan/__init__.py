@@ -1,6 +1,7 @@
 """The run plan: what the driver resolves once from a validated config, sliced per consumer.
 
-``specs.py`` holds the typed slices (plain frozen dataclasses, no torch); ``build.py`` builds a
-`RunPlan` from a `PPOConfig` in the driver (resolving paths, loading the model's config, tokenizer
-and processor once). Workers receive their slice and never read the config.
+``build.py`` builds a `RunPlan` from a `PPOConfig` in the driver: the model's files loaded once
+(``models.py``), each role's slice (``roles.py``; the slices themselves are ``easyvlm.specs``), the
+driver's own (``driver.py``) and the checks that need the model or the device (``checks.py``).
+Workers receive their slice and never read the config.
 """

@@ -47,6 +47,9 @@ class PreferenceDataConfig:
     has no end-of-turn token, as a cut rollout)."""
     filter_overlong_prompts: bool = True
     """Drop rows whose prompt is longer than max_prompt_length (counted), instead of refusing them."""
+    # Not RL data's defaults (EasyR1's 262144 / 4194304, kept there for EasyR1 configs): EasyR1 has no
+    # reward-model trainer to agree with, so these are the Qwen2-VL image processor's own defaults
+    # (56*56 to 28*28*1280 pixels), which keep a pair's two forward passes small.
     min_pixels: Optional[int] = 3136
     """Images with fewer pixels are scaled up (as in RL data)."""
     max_pixels: Optional[int] = 1003520

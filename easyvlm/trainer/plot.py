@@ -1,10 +1,10 @@
 """Plot a run's rewards and validation scores: every ``reward/*`` and ``val/*`` key it logged
-(multi-turn counts aside).
+(counts aside: they share no scale with rewards).
 
     python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
 
 Two panels: the training rewards per step (the sampled responses' ``reward/*`` means) and the
-validation scores (``val/*``, at each validation). Without OUT the figure goes next to the log as
+validation scores (``val/*``, at each validation); a run without validation gets the first alone. Without OUT the figure goes next to the log as
 ``learning_curve.png``. The trainer writes the same figure at the end of every run
 (``write_learning_curve``).
 """
@@ -16,9 +16,13 @@ import sys
 from pathlib import Path
 
 PANELS = (("reward/", "training rewards (sampled responses)"), ("val/", "validation"))
-# Left out of the panels: multi-turn counts (turns per sample up to max_turns, calls per sample)
-# share no scale with rewards; they stay in the JSONL log.
+# Left out of the panels: multi-turn counts (turns per sample up to max_turns, calls per sample) and
+# every other count (reward/error_count) share no scale with rewards; they stay in the JSONL log.
 NOT_PLOTTED = ("val/multi_turn/",)
+
+
+def is_plotted(key: str, prefix: str) -> bool:
+    return key.startswith(prefix) and not key.startswith(NOT_PLOTTED) and not key.endswith("count")
 CURVE_FILE = "learning_curve.png"
 
 
@@ -37,7 +41,7 @@ def panel_series(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]
     keys = sorted({k for r in rows for k in r})
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for prefix, _ in PANELS:
-        found = {k: curve_points(rows, k) for k in keys if k.startswith(prefix) and not k.startswith(NOT_PLOTTED)}
+        found = {k: curve_points(rows, k) for k in keys if is_plotted(k, prefix)}
         series[prefix] = {k: points for k, points in found.items() if points}
     return series
 
@@ -53,8 +57,9 @@ def plot_rows(rows: list[dict], out_path: Path, title: str) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
-    for ax, (prefix, label) in zip(axes, PANELS):
+    panels = [(prefix, label) for prefix, label in PANELS if series[prefix]]  # no empty panel
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), dpi=110, squeeze=False)
+    for ax, (prefix, label) in zip(axes[0], panels):
         values = []
         for key, points in series[prefix].items():
             steps, ys = zip(*points)
@@ -65,8 +70,7 @@ def plot_rows(rows: list[dict], out_path: Path, title: str) -> Path | None:
         ax.grid(alpha=0.3)
         if values and 0 <= min(values) and max(values) <= 1:  # scores in [0, 1]: a fixed scale compares runs
             ax.set_ylim(-0.02, 1.02)
-        if series[prefix]:
-            ax.legend(fontsize=7, loc="best")
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     out_path.parent.mkdir(parents=True, exist_ok=True)

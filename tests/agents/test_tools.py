@@ -60,6 +60,13 @@ def test_a_tool_without_docstring_or_hint_is_refused_with_its_name(tmp_path):
         load_tools(["calculator", "calculator"])
 
 
+def test_every_shipped_tool_name_loads_its_function():
+    # the config accepts the names of easyvlm.config.names.SHIPPED_TOOLS; each must load
+    from easyvlm.config.names import SHIPPED_TOOLS
+
+    assert {name: load_tool(name).function for name in SHIPPED_TOOLS} == {"image_zoom": image_zoom, "calculator": calculator}
+
+
 def _tool(function):
     schema, reserved = tool_schema(function)
     from easyvlm.agents.tools import Tool

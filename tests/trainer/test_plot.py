@@ -34,11 +34,11 @@ def test_main_writes_a_png_from_a_log_and_names_a_missing_log(tmp_path, capsys):
 
 def test_every_reward_and_validation_key_gets_a_curve_in_its_panel():
     rows = [*ROWS, {"step": 3, "reward/format": 1.0, "val/reward_score": 2.5, "actor/pg_loss": 0.1, "val/flag": True,
-                    "val/multi_turn/turns/max": 2.0}]
+                    "val/multi_turn/turns/max": 2.0, "reward/error_count": 7.0}]
     series = panel_series(rows)
     assert series == {
         "reward/": {"reward/accuracy": [(1, 0.5), (2, 0.75)], "reward/format": [(3, 1.0)], "reward/overall": [(1, 0.55)]},
-        # a bool is not a score; actor/ keys belong to neither panel, multi-turn counts to none
+        # a bool is not a score; actor/ keys belong to neither panel, counts (error_count, multi-turn) to none
         "val/": {"val/accuracy_reward": [(0, 0.25), (2, 0.5)], "val/reward_score": [(3, 2.5)]},
     }
 
@@ -54,6 +54,14 @@ def test_write_learning_curve_from_rows_or_the_log_and_none_without_values(tmp_p
     assert write_learning_curve(run) == run / "learning_curve.png"
     assert write_learning_curve(tmp_path / "empty", [{"step": 1, "actor/pg_loss": 0.3}]) is None
     assert not (tmp_path / "empty" / "learning_curve.png").exists()
+
+
+def test_a_run_without_validation_gets_the_training_panel_alone(tmp_path):
+    from PIL import Image
+
+    rows = [{"step": 1, "reward/overall": 0.5, "reward/error_count": 0.0}, {"step": 2, "reward/overall": 0.7}]
+    path = write_learning_curve(tmp_path / "run", rows)
+    assert Image.open(path).size == (605, 440)  # one 5.5 x 4 in panel at 110 dpi, not two with one empty
 
 
 def test_main_without_out_writes_next_to_the_log(tmp_path):

@@ -51,3 +51,21 @@ def test_hostile_responses_render_as_text_and_run_nothing(tmp_path: Path):
         assert page.errors == []
         # nothing but the page and its own files was requested: no network
         assert all(url.startswith("file://") for url in page.requests), page.requests
+
+
+def test_the_index_prints_counts_as_integers_and_means_to_three_decimals(tmp_path: Path):
+    # two pages: step 1 with 4 samples in 2 groups (rewards 0, 1, 2, 3: mean 1.5), step 2 with 1 sample
+    (tmp_path / "media").mkdir()
+    Image.new("RGB", (8, 8), "green").save(tmp_path / "media" / "g.png")
+    write_page([sample(i, "red", "media/g.png") for i in range(4)], tmp_path, "step_1", "step 1")
+    write_page([sample(0, "red", "media/g.png")], tmp_path, "step_2", "step 2")
+    with browser_page() as page:
+        page.goto(file_url(tmp_path / "index.html"))
+        page.wait_for_selector("tr.page")
+        headers = page.eval_on_selector_all("#pages th", "nodes => nodes.map(n => n.textContent)")
+        rows = page.eval_on_selector_all("tr.page", "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+        by_column = [dict(zip(headers, row)) for row in rows]
+        assert [(r["step"], r["groups"], r["samples"]) for r in by_column] == [("1", "1", "4"), ("1", "1", "1")]
+        assert by_column[0]["mean reward"] == "1.500" and by_column[1]["mean reward"] == "0.000"
+        assert by_column[0]["format failures"].isdigit()
+        assert page.errors == []

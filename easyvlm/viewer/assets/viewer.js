@@ -26,8 +26,9 @@
     for (const page of data.pages) {
       const link = el("a", { text: page.title });
       link.href = encodeURI(page.name) + ".html";
+      // counts print as integers; the means are formatted here, to 3 (or 1) decimals
       const cells = [page.split, page.step, page.groups, page.samples, fmt(page.reward), fmt(page.accuracy), page.format_failures, fmt(page.mean_length, 1)];
-      table.appendChild(el("tr", { class: "page" }, el("td", {}, link), ...cells.map((c) => el("td", { text: fmt(c) }))));
+      table.appendChild(el("tr", { class: "page" }, el("td", {}, link), ...cells.map((c) => el("td", { text: typeof c === "number" ? String(c) : fmt(c) }))));
     }
     document.body.appendChild(table);
   }
