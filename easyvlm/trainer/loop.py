@@ -61,6 +61,7 @@ class Trainer:
         val_loader: PromptDataLoader | None,
         resources: Resources,
         resume_from: Path | None = None,
+        tracker: Tracker | None = None,
     ):
         self.plan, self.spec, self.derived = plan, plan.driver, plan.derived
         self.train_loader, self.val_loader = train_loader, val_loader
@@ -77,7 +78,7 @@ class Trainer:
         self.ckpt = CheckpointManager(records.run_dir, records.save_limit)
         self.global_step = 0
         self._step_uids: list[str] = []  # prompts of the current step, for the data-order log
-        self.tracker: Tracker | None = None  # made by fit()
+        self.tracker: Tracker | None = tracker  # opened by the driver before Ray started, else by fit()
         self.viewer: RolloutWriter | None = None  # made by fit() when trainer.rollout_log_freq > 0
         # ranks of a Ulysses group share their samples in the model passes (generation is not split)
         self.actor_sp = plan.actor.forward.ulysses_size
@@ -98,10 +99,9 @@ class Trainer:
         spec, records = self.spec, self.spec.records
         run_dir = Path(records.run_dir)
         self._load_checkpoint()
-        self.tracker = tracker = Tracker(
-            list(records.loggers), run_dir, records.project_name, records.experiment_name,
-            records.config_record, self.total_steps, self.global_step,
-        )
+        if self.tracker is None:
+            self.tracker = open_tracker(self.plan, self.total_steps, self.global_step)
+        tracker = self.tracker
         order_log = data_order_log(run_dir, self.global_step)
         if records.rollout_log_freq > 0:
             self.viewer = RolloutWriter(run_dir / "rollouts", self.plan.bundle.tokenizer, records.skip_special_tokens,
@@ -368,6 +368,13 @@ class Trainer:
         can run one trainer after another: the end-to-end tests do)."""
         self.sampler.close()
         self.workers.shutdown()
+
+
+def open_tracker(plan: RunPlan, total_steps: int, start_step: int) -> Tracker:
+    """The run's trackers (``trainer.logger``), opened: a tracker that cannot start raises here."""
+    records = plan.driver.records
+    return Tracker(list(records.loggers), Path(records.run_dir), records.project_name, records.experiment_name,
+                   records.config_record, total_steps, start_step)
 
 
 def _curve_row(step: int, metrics: dict[str, float]) -> dict:

@@ -90,6 +90,21 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
     return plan
 
 
+def open_tracker_or_exit(plan: RunPlan, num_train_prompts: int, resume_from: Path | None) -> Any:
+    """The run's trackers, opened before Ray starts: a tracker that cannot start (a tracking URI it
+    cannot use, a log directory it cannot write) is reported here, exit 2, before anything heavy."""
+    from easyvlm.trainer.checkpoint import checkpoint_info
+    from easyvlm.trainer.loop import open_tracker
+
+    start_step = int(checkpoint_info(resume_from)["step"]) if resume_from is not None else 0
+    try:
+        return open_tracker(plan, plan.derived.total_steps(num_train_prompts), start_step)
+    except Exception as err:  # noqa: BLE001 - each tracker library raises its own errors
+        loggers = ", ".join(plan.driver.records.loggers)
+        sys.stderr.write(f"easyvlm: tracker error (trainer.logger: {loggers}): {type(err).__name__}: {err}\n")
+        sys.exit(EXIT_DATA_ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     plan = plan_run(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -110,12 +125,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         sys.exit(EXIT_DATA_ERROR)
     except ConfigError as err:
         exit_with_problems(err.problems)
-    ray = start_ray(plan)
-    if plan.config.trainer.device == "auto" and plan.device == "cpu" and ray.cluster_resources().get("GPU", 0) > 0:
-        plan = build_plan(plan.config, "cuda")  # a GPU cluster joined from a machine without one
-    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
-    resources = Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
-    trainer = Trainer(plan, train_loader, val_loader, resources, resume_from)
+    tracker = open_tracker_or_exit(plan, len(train_loader.dataset), resume_from)
+    try:
+        ray = start_ray(plan)
+        if plan.config.trainer.device == "auto" and plan.device == "cpu" and ray.cluster_resources().get("GPU", 0) > 0:
+            plan = build_plan(plan.config, "cuda")  # a GPU cluster joined from a machine without one
+        cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
+        resources = Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
+        trainer = Trainer(plan, train_loader, val_loader, resources, resume_from, tracker=tracker)
+    except BaseException:
+        tracker.close()
+        raise
     try:
         for line in trainer.placement():  # on a multi-node cluster: which node runs each rank
             sys.stderr.write(f"easyvlm: {line}\n")

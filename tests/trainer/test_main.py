@@ -62,3 +62,40 @@ def test_a_bad_cpu_linear_switch_exits_2_before_the_plan(tiny_model_path, monkey
         plan_run([f"worker.actor.model.model_path={tiny_model_path}"])
     assert exit_.value.code == 2
     assert "EASYVLM_CPU_LINEAR='fast': use 'onednn'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("store", ["uri", "path"])
+def test_a_tracker_that_cannot_start_exits_2_before_ray(e2e_base_args, tmp_path, monkeypatch, capsys, store):
+    """trainer.logger=[mlflow] with a tracking store mlflow cannot create (under a regular file): the
+    tracker is opened in the driver before Ray starts, so the run stops there, naming the logger."""
+    import easyvlm.trainer.main as main_module
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    target = blocker / "mlruns"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", target.as_uri() if store == "uri" else str(target))
+    monkeypatch.setattr(main_module, "start_ray", lambda plan: pytest.fail("Ray started despite the tracker error"))
+    with pytest.raises(SystemExit) as exit_info:
+        main_module.main([*e2e_base_args, "trainer.logger=[console,mlflow]", f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert "easyvlm: tracker error (trainer.logger: console, mlflow): " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("store", ["uri", "path"])
+def test_mlflow_takes_a_file_uri_or_a_plain_path_as_its_store(e2e_base_args, tmp_path, monkeypatch, store):
+    """MLFLOW_TRACKING_URI as a file:// URI or a plain directory: the tracker opens (before Ray) and
+    the store holds the run's experiment."""
+    from mlflow import MlflowClient
+
+    import easyvlm.trainer.main as main_module
+    from easyvlm.plan.build import build_plan
+    from easyvlm.config.cli import parse_and_validate
+
+    target = tmp_path / "store"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", target.as_uri() if store == "uri" else str(target))
+    cfg = parse_and_validate([*e2e_base_args, "trainer.logger=[mlflow]", f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    tracker = main_module.open_tracker_or_exit(build_plan(cfg, "cpu"), 8, None)
+    tracker.log(1, {"reward/overall": 0.5})
+    tracker.close()
+    experiment = MlflowClient(tracking_uri=target.as_uri()).get_experiment_by_name("easyvlm")
+    assert experiment is not None  # the project name (examples/config.yaml's trainer.project_name)
