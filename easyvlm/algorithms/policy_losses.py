@@ -302,3 +302,39 @@ def sapo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     grad_scale = 4.0 * gate_sigmoid.detach() * (1.0 - gate_sigmoid.detach())
     metrics = {"sapo_grad_scale": masked_mean(grad_scale, p.mask).item(), **_base_metrics(p)}
     return loss, metrics
+
+
+@register_policy_loss("geo_mean")
+def gmpo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """GMPO: the geometric mean of the token ratios per sequence, clipped in log space. Zhao et al.,
+    "Geometric-Mean Policy Optimization", arXiv:2507.20673, eqn. 4 (verl's loss mode ``geo_mean``).
+
+    Per token, in log space: d_t = log r_t, and with s = sign(A_t) the pessimistic choice
+    d'_t = s * min(s d_t, s clip(d_t, -eps_low, eps_high)). Per sequence i of length |o_i|:
+    rho_i = exp(mean_t d'_t), Abar_i = mean_t A_t, loss_i = -Abar_i rho_i, carried by every token
+    of i and aggregated as configured (``loss_avg_mode=seq`` is the paper's mean over sequences;
+    ``token`` weighs a sequence by its length, as gspo does here). The gradient reaches token t
+    through rho_i unless its log-ratio is clipped. Rollout-correction weights enter as their
+    geometric mean over the sequence (as verl's). Metrics: ``pg_clipfrac_higher`` / ``_lower``:
+    tokens with A > 0 / A < 0 whose log-ratio lies outside the clip band (verl's count).
+    """
+    p = _prepare(inputs)
+    sign = torch.sign(p.advantages)
+    clipped = p.log_ratio.clamp(-inputs.clip_ratio_low, inputs.clip_ratio_high)
+    log_ratio = sign * torch.minimum(sign * p.log_ratio, sign * clipped)
+    lengths = p.mask.sum(dim=-1).clamp(min=1)
+    seq_ratio = torch.exp(masked_sum(log_ratio, p.mask, dim=-1) / lengths)  # (B,)
+    seq_loss = -(masked_sum(p.advantages, p.mask, dim=-1) / lengths) * seq_ratio
+    if inputs.rollout_is_weights is not None:
+        log_weights = torch.log(inputs.rollout_is_weights.detach().to(seq_loss.dtype).clamp(min=1e-10))
+        seq_loss = seq_loss * torch.exp(masked_sum(log_weights, p.mask, dim=-1) / lengths)
+    token_losses = seq_loss.unsqueeze(-1).expand(p.mask.shape)
+    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    was_clipped = p.log_ratio != clipped
+    metrics = {
+        "pg_clipfrac_higher": _fraction(was_clipped & (p.advantages > 0), p.mask),
+        "pg_clipfrac_lower": _fraction(was_clipped & (p.advantages < 0), p.mask),
+        "pg_clipfrac_dual": 0.0,
+        **_base_metrics(p),
+    }
+    return loss, metrics

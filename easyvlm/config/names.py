@@ -20,7 +20,7 @@ ADV_ESTIMATORS: tuple[str, ...] = (
 )
 # Estimators whose baseline is computed from the other samples of the same prompt.
 GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
-POLICY_LOSSES: tuple[str, ...] = ("default", "gspo", "gspo_token", "cispo", "sapo")
+POLICY_LOSSES: tuple[str, ...] = ("default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean")
 SHIPPED_TOOLS: tuple[str, ...] = ("image_zoom", "calculator")
 """The tools easyvlm ships (easyvlm.agents.shipped), by the names ``worker.rollout.tools`` takes."""
 # trainer.logger -> (module it imports, pip requirement that provides it); console and file need nothing

@@ -129,7 +129,7 @@ class ActorConfig:
     response, Dr. GRPO)."""
     loss_type: str = "default"
     """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, sapo,
-    or your own as `path/to/file.py:func`."""
+    geo_mean (GMPO), or your own as `path/to/file.py:func`."""
     tau_positive: float = 1.0
     """SAPO (arXiv:2511.20347): temperature of the soft gate for tokens with a non-negative
     advantage (loss_type=sapo only)."""

@@ -381,4 +381,44 @@ def test_bad_specs_give_clear_errors(tmp_path):
 
 
 def test_registered_names_match_the_documented_list():
-    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo", "sapo"}
+    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean"}
+
+
+# GMPO (geo_mean): log-ratios d (r = e^d); eps_low 0.2, eps_high 0.3 (the defaults). The pessimistic
+# choice keeps a log-ratio past the bound on the side that lowers the objective unclipped:
+# row 0, A = +1, d = [-0.5, 0.5] (+ padding): d' = min(d, clip(d)) = [-0.5, 0.3] -> rho = e^-0.1
+# row 1, A = -1, d = [-0.5, 0.5, 0.0]:       d' = max(d, clip(d)) = [-0.2, 0.5, 0.0] -> rho = e^0.1
+# loss_i = -Abar_i rho_i: row 0 -e^-0.1, row 1 +e^0.1
+GMPO_CASE = dict(
+    ratios=[[math.exp(-0.5), math.exp(0.5), 1.0], [math.exp(-0.5), math.exp(0.5), 1.0]],
+    advantages=[[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0]],
+    lengths=[2, 3],
+)
+
+
+def test_gmpo_hand_values_and_gradient():
+    inputs = make_inputs(**GMPO_CASE, loss_avg_mode="seq")
+    loss, metrics = get_policy_loss("geo_mean")(inputs)
+    # seq (the paper's and verl's mean over sequences): (-e^-0.1 + e^0.1) / 2
+    assert_close(loss, torch.tensor((math.exp(0.1) - math.exp(-0.1)) / 2))
+    # d loss / d logprob_t = -Abar_i rho_i / |o_i| / B where d'_t is the unclipped d_t, 0 where the
+    # clip was chosen: row 0 token 0 -e^-0.1 / 2 / 2, token 1 clipped; row 1 token 0 clipped, tokens
+    # 1 and 2 +e^0.1 / 3 / 2
+    (grad,) = torch.autograd.grad(loss, inputs.logprobs)
+    assert_close(grad, torch.tensor([[-math.exp(-0.1) / 4, 0.0, 0.0], [0.0, math.exp(0.1) / 6, math.exp(0.1) / 6]]))
+    # tokens whose log-ratio lies outside [-0.2, 0.3] (verl's count): 2 with A > 0, 2 with A < 0, of 5
+    assert metrics["pg_clipfrac_higher"] == pytest.approx(0.4) and metrics["pg_clipfrac_lower"] == pytest.approx(0.4)
+
+
+def test_gmpo_token_mode_weighs_each_sequence_by_its_length():
+    # every token carries its sequence's loss: (2 (-e^-0.1) + 3 e^0.1) / 5 valid tokens
+    loss, _ = get_policy_loss("geo_mean")(make_inputs(**GMPO_CASE, loss_avg_mode="token"))
+    assert_close(loss, torch.tensor((3 * math.exp(0.1) - 2 * math.exp(-0.1)) / 5))
+
+
+def test_gmpo_rollout_weights_enter_as_their_geometric_mean_per_sequence():
+    # weights [4, 1] on row 0 -> geometric mean 2; [1, 1, 8] on row 1 -> 2: both rows' losses double
+    weights = torch.tensor([[4.0, 1.0, NAN], [1.0, 1.0, 8.0]])
+    plain, _ = get_policy_loss("geo_mean")(make_inputs(**GMPO_CASE, loss_avg_mode="seq"))
+    loss, _ = get_policy_loss("geo_mean")(make_inputs(**GMPO_CASE, loss_avg_mode="seq", rollout_is_weights=weights))
+    assert_close(loss, 2 * plain)
