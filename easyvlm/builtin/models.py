@@ -7,8 +7,8 @@ vLLM load it as they would ``Qwen/Qwen2.5-VL-3B-Instruct``. ``tiny-qwen2-vl`` an
 are the same recipe for the other two families (``BuiltinModelSpec.family``). The token ids differ
 from the real Qwen ones, so code must read special-token ids from the tokenizer or the model config.
 
-Importing this module registers the ``builtin:`` scheme with ``easyvlm.models.paths``, which turns
-what a user writes in ``worker.actor.model.model_path`` into a local directory.
+``register()`` (called by ``easyvlm.builtin.register()``) adds the ``builtin:`` scheme to
+``easyvlm.models.paths``, which turns what a user writes in ``worker.actor.model.model_path`` into a local directory.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Two questions with two answers:
 - ``resolve_model_path`` (the driver, before anything starts): what a user wrote in a
   ``model_path`` becomes a local directory. A registered scheme (``builtin:<name>``, registered by
-  ``easyvlm.builtin`` when it is imported) may build its asset here; a hub id is downloaded.
+  ``easyvlm.builtin.register()``, which every command calls first) may build its asset here; a hub
+  id is downloaded.
 - ``local_model_dir`` (workers and engines): the same model on the calling process's machine. It
   never builds anything: a worker or an engine start must not turn into a model build. On another
   node of a cluster the driver has built the scheme's assets into that node's cache before the
