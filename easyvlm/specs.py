@@ -144,6 +144,15 @@ class PolicyLossSpec:
     tau_positive: float
     tau_negative: float
     loss_avg_mode: str
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
+    top_entropy_quantile: float = 1.0
+    """< 1: only the micro-batch's highest-entropy tokens carry the policy gradient (token_filters.py)."""
+    off_policy_mask_threshold: Optional[float] = None
+    """Set: DeepSeek-V3.2's off-policy sequence mask (token_filters.py)."""
     source: Optional[str] = field(default=None, repr=False)
     """A plug-in's file text, read in the driver: the worker runs it without a copy of the file."""
 
@@ -156,6 +165,8 @@ class KLLossSpec:
     penalty: str
     """An estimator of ``easyvlm.algorithms.kl``; ``full`` needs the reference's whole distribution,
     which the hybrid worker computes beside the actor."""
+    bias_correction: bool = False
+    """Weigh each token's estimate by pi_theta / pi_old (``algorithm.use_bias_correction_kl``)."""
 
 
 # -------------------------------------------------------------------------------------------- roles
@@ -363,6 +374,12 @@ class AdvantageSpec:
     """``algorithm.rollout_correction`` (checked: it parses)."""
     critic_warmup: int
     """Steps that train the critic alone."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """``algorithm.multi_objective_aggregation``: normalize_then_sum = GDPO's score from each reward
+    function's own score (easyvlm.algorithms.multi_objective) replaces their weighted sum."""
+    reward_weights: tuple[float, ...] = ()
+    """The weight of each of ``worker.reward.reward_functions``, in their order (empty for one
+    ``reward_function``): GDPO's w_k."""
 
 
 @dataclass(frozen=True)
@@ -389,6 +406,20 @@ class RecordsSpec:
 
 
 @dataclass(frozen=True)
+class EntropyControlSpec:
+    """Adaptive entropy control (``worker.actor.use_adaptive_entropy``): the driver's controller
+    (``easyvlm.algorithms.entropy.AdaptiveEntropyController``) sets the actor's entropy coefficient
+    for each update."""
+
+    init_coeff: float
+    """``worker.actor.entropy_coeff``: the controller's starting value."""
+    target: float
+    delta: float
+    coeff_min: float
+    coeff_max: float
+
+
+@dataclass(frozen=True)
 class DriverSpec:
     """The driver's own settings (easyvlm.trainer): its loop, rounds, advantages and records."""
 
@@ -402,3 +433,5 @@ class DriverSpec:
     rounds: RoundsSpec
     advantage: AdvantageSpec
     records: RecordsSpec
+    entropy_control: Optional[EntropyControlSpec] = None
+    """Set when ``worker.actor.use_adaptive_entropy`` is on (else the actor keeps ``entropy_coeff``)."""

@@ -40,6 +40,9 @@ from easyvlm.algorithms.policy_losses import (
 )
 from easyvlm.algorithms.value_loss import value_loss
 
+# registers clip_cov and kl_cov with the policy losses
+from easyvlm.algorithms import covariance_losses  # noqa: E402,F401
+
 __all__ = [
     "ADVANTAGES",
     "AdaptiveKLController",

@@ -306,3 +306,24 @@ def remax_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     seq_advantages = seq_rewards_of(inputs) - inputs.baseline_rewards
     returns = discounted_returns(inputs.token_rewards, inputs.response_mask, gamma=1.0)
     return AdvantageOutputs(advantages=_broadcast(seq_advantages, inputs.response_mask), returns=returns)
+
+
+@register_advantage("gpg")
+@torch.no_grad()
+def gpg_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """GPG: A_i = alpha * (r_i - mean(r_group)) / F_norm with F_norm = 1 and alpha = B / (B - M).
+    Chu et al., arXiv:2504.02546, the corrected advantage of its accurate gradient estimation
+    (verl's ``gpg`` estimator).
+
+    B: the samples of the step's batch; M: the "invalid" ones, those whose group has one reward
+    for every sample (their advantage is 0, so without alpha they dilute the gradient). alpha
+    scales the rest back up as if the batch had only valid samples; with every sample invalid all
+    advantages are 0. verl counts M differently: alpha = B / (samples whose reward is non-zero),
+    which agrees with the paper for 0/1 rewards only when every group with a 1 is also mixed.
+    A group of one sample gets 0 and counts as invalid. Use with ``worker.actor.loss_type=gpg``.
+    """
+    rewards = seq_rewards_of(inputs)  # (B,)
+    mean, std, _ = group_stats(rewards, inputs.group_ids)
+    valid = std > 0  # a group of one has std 0
+    alpha = rewards.numel() / max(int(valid.sum().item()), 1)
+    return _outcome(alpha * (rewards - mean) * valid, inputs.response_mask)

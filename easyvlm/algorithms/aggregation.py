@@ -7,6 +7,7 @@ sequences with at least one valid token and l_it the token losses:
     "seq"    (alias "seq-mean-token-mean") sum_i (sum_t l_it / L_i) / S        GRPO, arXiv:2402.03300
     "seq-mean-token-sum"                   sum_i sum_t l_it / S
     "seq-mean-token-sum-norm"              sum_i sum_t l_it / (S * norm_length) Dr. GRPO, arXiv:2503.20783
+    "token-sum"                            sum_i sum_t l_it                     verl's token-sum
 
 Global normalisation (how the actor must use this module)
 ---------------------------------------------------------
@@ -33,6 +34,10 @@ Departures from the references:
   ``data.max_response_length``), not the padded width of the tensor, which varies between
   micro-batches under dynamic batching; Dr. GRPO's code uses the generation budget too.
 - A normaliser of 0 (no valid token anywhere) is replaced by 1, so the loss is 0, not NaN.
+- "token-sum" has no normaliser: :func:`loss_normalizer` returns the token count (for the record)
+  and :func:`aggregate_loss` ignores it, so the summed loss's gradient is the sum over every token
+  of every micro-batch and rank (the actor's ``* dp_world_size`` undoes FSDP's average, as verl's
+  ``* dp_size``). Its scale grows with the batch: lower the learning rate to match.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from torch import Tensor
 
 from easyvlm.algorithms.masked import check_mask, masked_sum
 
-LOSS_AVG_MODES: tuple[str, ...] = ("token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AVG_MODES: tuple[str, ...] = ("token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 """Canonical aggregation mode names."""
 
 LOSS_AVG_MODE_ALIASES: dict[str, str] = {"token-mean": "token", "seq-mean-token-mean": "seq"}
@@ -70,7 +75,7 @@ def loss_normalizer(response_mask: Tensor, loss_avg_mode: str, norm_length: int 
     if response_mask.dtype != torch.bool or response_mask.dim() != 2:
         shape = tuple(response_mask.shape)
         raise TypeError(f"response_mask must be a (B, T) bool tensor, got {response_mask.dtype} {shape}")
-    if mode == "token":
+    if mode in ("token", "token-sum"):
         return float(response_mask.sum().item())
     num_seqs = float(response_mask.any(dim=-1).sum().item())
     if mode == "seq-mean-token-sum-norm":
@@ -92,6 +97,8 @@ def aggregate_loss(
     """
     mode = canonical_loss_avg_mode(loss_avg_mode)
     check_mask(response_mask, token_losses)
+    if mode == "token-sum":
+        return masked_sum(token_losses, response_mask)
     if normalizer is None:
         normalizer = loss_normalizer(response_mask, mode)
     if mode == "seq":

@@ -186,12 +186,20 @@ def kl_loss(
     kind: str = "low_var_kl",
     loss_avg_mode: str = "token",
     normalizer: float | None = None,
+    old_logprobs: Tensor | None = None,
 ) -> Tensor:
     """KL as a loss term: ``aggregate_loss(kl_penalty(logprobs, ref_logprobs, kind))`` (0-d, with grad).
 
     logprobs (with grad), ref_logprobs: (B, T) [(B, T, V) for "full"]. response_mask: (B, T) bool.
     Use the same ``loss_avg_mode`` and ``normalizer`` as the policy loss; the actor adds
     ``kl_coef * kl_loss(...)`` and logs the unscaled value as ``actor/kl_loss``.
+
+    old_logprobs (B, T), given: the importance-weighted estimator of DeepSeek-V3.2
+    (arXiv:2512.02556; TRL's ``use_bias_correction_kl``): each token's estimate is
+    multiplied by r_t = pi_theta / pi_old = exp(logprobs - old_logprobs) (log-ratio clamped to
+    [-20, 20]), with the gradient flowing through r_t too. The tokens were sampled from pi_old, so
+    E_old[r_t k(t)] = E_theta[k(t)]: k3 becomes an unbiased estimate of KL(pi_theta || pi_ref) and its
+    gradient the KL's gradient, also after the first update of a step. Not for "full" (exact).
     """
     mask_like = logprobs if kind != "full" else logprobs[..., 0]
     check_mask(response_mask, mask_like)
@@ -200,4 +208,10 @@ def kl_loss(
     logprobs = zero_masked(logprobs, token_mask)
     ref_logprobs = zero_masked(ref_logprobs, token_mask)
     kl = kl_penalty(logprobs, ref_logprobs, kind)
+    if old_logprobs is not None:
+        if kind == "full":
+            raise ValueError("the importance-weighted KL (algorithm.use_bias_correction_kl) needs a sampled estimator, "
+                             "not kl_penalty 'full'")
+        log_ratio = (logprobs - zero_masked(old_logprobs, token_mask)).clamp(-20.0, 20.0)
+        kl = kl * torch.exp(log_ratio.to(kl.dtype))
     return aggregate_loss(kl, response_mask, loss_avg_mode, normalizer)

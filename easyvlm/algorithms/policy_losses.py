@@ -86,10 +86,25 @@ class PolicyLossInputs:
     """(B, T) detached importance weights of the rollout correction (``algorithm.rollout_correction``,
     see ``rollout_correction.py``) that multiply each token's loss, as verl does; None = all 1.
     Every built-in loss applies them (:func:`weighted`); plug-in losses are refused with them."""
+    token_gate: Tensor | None = None
+    """(B, T) bool: the tokens that carry the policy gradient (``token_filters.py``: the high-entropy
+    tokens of ``top_entropy_quantile``, the sequences ``off_policy_mask_threshold`` keeps); the
+    others' loss is 0 but they still count in the normaliser, as in TRL. None = all tokens.
+    Every built-in loss applies it; plug-in losses are refused with it."""
+    clip_cov_ratio: float = _ACTOR.clip_cov_ratio
+    """Clip-Cov: fraction of the valid tokens whose gradient is detached. arXiv:2505.22617."""
+    clip_cov_lb: float = _ACTOR.clip_cov_lb
+    """Clip-Cov: only tokens with covariance in (clip_cov_lb, clip_cov_ub) may be detached."""
+    clip_cov_ub: float = _ACTOR.clip_cov_ub
+    """Clip-Cov: upper end of the covariance band."""
+    kl_cov_ratio: float = _ACTOR.kl_cov_ratio
+    """KL-Cov: fraction of the valid tokens (largest covariance) that get the KL penalty."""
+    ppo_kl_coef: float = _ACTOR.ppo_kl_coef
+    """KL-Cov: weight of the |log r| penalty on the selected tokens."""
 
     def __post_init__(self) -> None:
         check_mask(self.response_mask, self.logprobs)
-        for name in ("logprobs", "old_logprobs", "advantages", "rollout_is_weights"):
+        for name in ("logprobs", "old_logprobs", "advantages", "rollout_is_weights", "token_gate"):
             if getattr(self, name) is None:
                 continue
             shape = tuple(getattr(self, name).shape)
@@ -109,6 +124,13 @@ class PolicyLossInputs:
                     f"worker.actor.{key} must be a finite number > 0 (a SAPO gate temperature), got {tau}; "
                     "the paper's values are tau_positive=1.0, tau_negative=1.05"
                 )
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"worker.actor.{key} must be in (0, 1], got {getattr(self, key)}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"worker.actor.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        if not self.ppo_kl_coef >= 0:
+            raise ValueError(f"worker.actor.ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
         canonical_loss_avg_mode(self.loss_avg_mode)
 
 
@@ -167,10 +189,13 @@ def _prepare(inputs: PolicyLossInputs) -> _Prepared:
 
 
 def weighted(token_losses: Tensor, inputs: PolicyLossInputs) -> Tensor:
-    """The (B, T) token losses times the rollout correction's importance weights (if any)."""
-    if inputs.rollout_is_weights is None:
-        return token_losses
-    return token_losses * inputs.rollout_is_weights.detach().to(token_losses.dtype)
+    """The (B, T) token losses times the rollout correction's importance weights and the token gate
+    (each if any)."""
+    if inputs.rollout_is_weights is not None:
+        token_losses = token_losses * inputs.rollout_is_weights.detach().to(token_losses.dtype)
+    if inputs.token_gate is not None:
+        token_losses = token_losses * inputs.token_gate.to(token_losses.dtype)
+    return token_losses
 
 
 def _fraction(flags: Tensor, mask: Tensor) -> float:
@@ -181,6 +206,16 @@ def _base_metrics(p: _Prepared) -> dict[str, float]:
     return {
         "ppo_kl": masked_mean(-p.log_ratio.detach(), p.mask).item(),
         "entropy_loss": masked_mean(-p.logprobs.detach(), p.mask).item(),
+    }
+
+
+def _clip_metrics(clipped: Tensor, p: _Prepared) -> dict[str, float]:
+    """pg_clipfrac_higher / _lower: tokens with A > 0 / A < 0 where ``clipped``; no dual clip; base metrics."""
+    return {
+        "pg_clipfrac_higher": _fraction(clipped & (p.advantages > 0), p.mask),
+        "pg_clipfrac_lower": _fraction(clipped & (p.advantages < 0), p.mask),
+        "pg_clipfrac_dual": 0.0,
+        **_base_metrics(p),
     }
 
 
@@ -228,13 +263,7 @@ def _gspo_from_log_ratio(log_s: Tensor, p: _Prepared, inputs: PolicyLossInputs) 
     ratio = torch.exp(log_s)
     token_losses, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
     loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
-    metrics = {
-        "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
-        "pg_clipfrac_lower": _fraction(clip_active & (p.advantages < 0), p.mask),
-        "pg_clipfrac_dual": 0.0,
-        **_base_metrics(p),
-    }
-    return loss, metrics
+    return loss, _clip_metrics(clip_active, p)
 
 
 @register_policy_loss("gspo")
@@ -315,13 +344,16 @@ def gmpo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     of i and aggregated as configured (``loss_avg_mode=seq`` is the paper's mean over sequences;
     ``token`` weighs a sequence by its length, as gspo does here). The gradient reaches token t
     through rho_i unless its log-ratio is clipped. Rollout-correction weights enter as their
-    geometric mean over the sequence (as verl's). Metrics: ``pg_clipfrac_higher`` / ``_lower``:
+    geometric mean over the sequence (as verl's); a token the gate turns off counts as ratio 1 (no
+    gradient), and a sequence gated off entirely gets no gradient. Metrics: ``pg_clipfrac_higher`` / ``_lower``:
     tokens with A > 0 / A < 0 whose log-ratio lies outside the clip band (verl's count).
     """
     p = _prepare(inputs)
     sign = torch.sign(p.advantages)
     clipped = p.log_ratio.clamp(-inputs.clip_ratio_low, inputs.clip_ratio_high)
     log_ratio = sign * torch.minimum(sign * p.log_ratio, sign * clipped)
+    if inputs.token_gate is not None:  # a gated-off token enters the product as ratio 1, with no gradient
+        log_ratio = log_ratio * inputs.token_gate.to(log_ratio.dtype)
     lengths = p.mask.sum(dim=-1).clamp(min=1)
     seq_ratio = torch.exp(masked_sum(log_ratio, p.mask, dim=-1) / lengths)  # (B,)
     seq_loss = -(masked_sum(p.advantages, p.mask, dim=-1) / lengths) * seq_ratio
@@ -330,11 +362,19 @@ def gmpo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
         seq_loss = seq_loss * torch.exp(masked_sum(log_weights, p.mask, dim=-1) / lengths)
     token_losses = seq_loss.unsqueeze(-1).expand(p.mask.shape)
     loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
-    was_clipped = p.log_ratio != clipped
-    metrics = {
-        "pg_clipfrac_higher": _fraction(was_clipped & (p.advantages > 0), p.mask),
-        "pg_clipfrac_lower": _fraction(was_clipped & (p.advantages < 0), p.mask),
-        "pg_clipfrac_dual": 0.0,
-        **_base_metrics(p),
-    }
-    return loss, metrics
+    return loss, _clip_metrics(p.log_ratio != clipped, p)
+
+
+@register_policy_loss("gpg")
+def gpg_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """GPG: the plain policy gradient, l = -A * logprobs, no ratio and no clip. Chu et al., "GPG: A
+    Simple and Strong Reinforcement Learning Baseline for Model Reasoning", arXiv:2504.02546, its
+    objective without surrogate (verl's loss mode ``gpg``). Pair it with ``algorithm.adv_estimator=gpg`` for the paper's
+    advantage (its valid-sample correction alpha lives there). The gradient is -A grad log pi at
+    every token whatever ``old_logprobs`` are, so with ppo_epochs > 1 or several mini-batches the
+    later updates are not corrected for being off-policy (as in verl and the paper's code).
+    """
+    p = _prepare(inputs)
+    token_losses = -p.advantages * p.logprobs
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    return loss, _base_metrics(p)

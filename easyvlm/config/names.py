@@ -17,10 +17,13 @@ ADV_ESTIMATORS: tuple[str, ...] = (
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
+    "gpg",
 )
 # Estimators whose baseline is computed from the other samples of the same prompt.
-GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline")
-POLICY_LOSSES: tuple[str, ...] = ("default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean")
+GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "gpg")
+POLICY_LOSSES: tuple[str, ...] = (
+    "default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg",
+)
 SHIPPED_TOOLS: tuple[str, ...] = ("image_zoom", "calculator")
 """The tools easyvlm ships (easyvlm.agents.shipped), by the names ``worker.rollout.tools`` takes."""
 # trainer.logger -> (module it imports, pip requirement that provides it); console and file need nothing
@@ -34,7 +37,7 @@ LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
 KLPenalty = Literal["kl", "abs", "mse", "low_var_kl", "full"]
 KLType = Literal["fixed", "adaptive"]
 LoggerName = Literal["console", "file", "tensorboard", "wandb", "mlflow", "swanlab"]
-LossAvgMode = Literal["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LossAvgMode = Literal["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 # Both spellings EasyR1 accepts; canonical_dtype() maps them to one.
 DType = Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"]
 

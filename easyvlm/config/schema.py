@@ -155,6 +155,9 @@ class AlgorithmConfig:
     """Horizon of the adaptive KL controller."""
     kl_target: float = 0.1
     """Target KL of the adaptive KL controller."""
+    use_bias_correction_kl: bool = False
+    """easyvlm extra (TRL's key). With use_kl_loss, multiply each token's KL estimate by pi_theta / pi_old, the
+    importance-weighted (unbiased) estimator of the DeepSeek-V3.2 report (arXiv:2512.02556)."""
     online_filtering: bool = False
     """DAPO's dynamic sampling: drop prompts whose mean `filter_key` over their samples is not in
     (`filter_low`, `filter_high`), and generate more until `data.rollout_batch_size` prompts are
@@ -168,6 +171,13 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     """easyvlm extra. GRPO divides advantages by the group's standard deviation; False gives
     Dr. GRPO (arXiv:2503.20783), which does not."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """easyvlm extra (TRL's key), for several `worker.reward.reward_functions`. sum_then_normalize:
+    the estimator gets their weighted sum (`overall`). normalize_then_sum (GDPO, arXiv:2601.05242):
+    each function's score is normalised within its group, weighted and summed, and the sum
+    normalised over the batch; that replaces the score of an outcome estimator, and with grpo it is
+    the advantage itself (TRL's). Needs two or more reward functions; not with gae or remax; with
+    grpo, not with the KL in the reward or norm_adv_by_std_in_grpo=false (docs/algorithms.md)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction: truncated / masked importance sampling against the sampler."""
 

@@ -166,6 +166,18 @@ def _check_algorithm(c: Checks) -> None:
                 "KL in the loss, so the controller would do nothing; use kl_type=fixed, or use_kl_loss=false",
             )
 
+    if a.use_bias_correction_kl and (a.disable_kl or not a.use_kl_loss):
+        c.add("algorithm.use_bias_correction_kl", "weighs the KL *loss* by pi_theta / pi_old, but "
+              f"{'algorithm.disable_kl=true' if a.disable_kl else 'algorithm.use_kl_loss=false'} leaves no KL loss; "
+              "set use_kl_loss=true (and disable_kl=false), or remove use_bias_correction_kl")
+    elif a.use_bias_correction_kl and a.kl_penalty == "full":
+        c.add("algorithm.use_bias_correction_kl", "corrects a sampled KL estimate, but algorithm.kl_penalty=full is "
+              "exact (a sum over the vocabulary); use kl_penalty=low_var_kl, or remove use_bias_correction_kl")
+
+    if not a.norm_adv_by_std_in_grpo and a.adv_estimator in ADV_ESTIMATORS and a.adv_estimator not in ("grpo", "grpo_passk"):
+        c.add("algorithm.norm_adv_by_std_in_grpo", f"is false, but algorithm.adv_estimator={a.adv_estimator} does not "
+              "divide by a group std (only grpo and grpo_passk do); remove it, or use adv_estimator=grpo for Dr. GRPO")
+
     n = c.cfg.worker.rollout.n
     if a.adv_estimator in GROUP_ADV_ESTIMATORS and n < 2:
         c.add(
@@ -181,6 +193,7 @@ def _check_algorithm(c: Checks) -> None:
             "(usually to the actor's model path) or choose a critic-free estimator such as grpo",
         )
     _check_rollout_correction(c)
+    _check_multi_objective(c)
     if a.online_filtering:
         if not a.filter_key:
             c.add("algorithm.filter_key", "must name a reward key (e.g. overall) when online filtering is on")
@@ -190,6 +203,36 @@ def _check_algorithm(c: Checks) -> None:
                 f"({a.filter_low}) must be below algorithm.filter_high ({a.filter_high}): online filtering keeps "
                 "prompts whose mean reward lies between them",
             )
+
+
+def _check_multi_objective(c: Checks) -> None:
+    """normalize_then_sum (GDPO) needs several reward functions and an estimator that takes one
+    score per sample (docs/algorithms.md, "Several reward functions")."""
+    a, key = c.cfg.algorithm, "algorithm.multi_objective_aggregation"
+    if a.multi_objective_aggregation != "normalize_then_sum":
+        return
+    fix = f"; or set {key}=sum_then_normalize (the default)"
+    r = c.cfg.worker.reward
+    n = len(r.reward_functions) or int(bool(r.reward_function))
+    if n < 2:
+        source = "worker.reward.reward_functions" if r.reward_functions else "worker.reward.reward_function"
+        c.add(key, f"is normalize_then_sum, but the reward has {n} function(s) ({source}), and normalising each "
+              f"function's score before the weighted sum needs two or more; list them (with their weights) in "
+              f"worker.reward.reward_functions{fix}")
+    if a.adv_estimator in ("gae", "remax"):
+        why = ("gae's critic learns the values of the token rewards, and a score normalised against the other samples "
+               "of its group and batch is no reward of the sample itself" if a.adv_estimator == "gae" else
+               "remax's baseline is the greedy response's weighted-sum score, which has no group to be normalised in")
+        c.add(key, f"is normalize_then_sum, but algorithm.adv_estimator={a.adv_estimator}: {why}; use an outcome "
+              f"estimator such as grpo, rloo or reinforce_plus_plus_baseline{fix}")
+    if a.adv_estimator == "grpo" and not a.disable_kl and not a.use_kl_loss:
+        c.add(key, "is normalize_then_sum with algorithm.adv_estimator=grpo, whose advantage is then GDPO's score "
+              "itself, so the KL penalty in the token rewards (algorithm.use_kl_loss=false) would be lost; set "
+              f"algorithm.use_kl_loss=true (the KL as a loss term, as TRL and GDPO) or algorithm.disable_kl=true{fix}")
+    if a.adv_estimator == "grpo" and not a.norm_adv_by_std_in_grpo:
+        c.add(key, "is normalize_then_sum, which divides by the std within each group and over the batch, so "
+              "algorithm.norm_adv_by_std_in_grpo=false (Dr. GRPO) would do nothing; set norm_adv_by_std_in_grpo=true"
+              f"{fix}")
 
 
 def _check_rollout_correction(c: Checks) -> None:

@@ -120,7 +120,82 @@ def check_actor(c: Checks) -> None:
             c.add(f"{p}.{key}", f"must be a finite number > 0 (SAPO's gate temperature), got {value}")
     if not is_finite_number(c.cfg.worker.actor.entropy_coeff):
         c.add(f"{p}.entropy_coeff", f"must be a finite number, got {c.cfg.worker.actor.entropy_coeff}")
+    _check_adaptive_entropy(c)
     name_or_spec(c, f"{p}.loss_type", POLICY_LOSSES, "policy loss")
+    _check_loss_hyperparameters(c)
+    _check_token_filters(c)
+
+
+ADAPTIVE_ENTROPY_KEYS = ("entropy_target", "entropy_coeff_delta", "entropy_coeff_min", "entropy_coeff_max")
+
+
+def _check_adaptive_entropy(c: Checks) -> None:
+    """worker.actor.use_adaptive_entropy and its four keys (easyvlm.algorithms.entropy.AdaptiveEntropyController)."""
+    p, actor = "worker.actor", c.cfg.worker.actor
+    if not actor.use_adaptive_entropy:
+        for key in ADAPTIVE_ENTROPY_KEYS:
+            if differs(actor, type(actor)(), key):
+                c.add(f"{p}.{key}", f"is set, but the key means nothing unless {p}.use_adaptive_entropy=true; set that, "
+                      "or remove it")
+        return
+    target, delta = actor.entropy_target, actor.entropy_coeff_delta
+    low, high, init = actor.entropy_coeff_min, actor.entropy_coeff_max, actor.entropy_coeff
+    if not is_finite_number(target) or target < 0:
+        c.add(f"{p}.entropy_target", f"must be a finite number >= 0 (a token-mean entropy, in nats), got {target}")
+    if not is_finite_number(delta) or delta <= 0:
+        c.add(f"{p}.entropy_coeff_delta", f"must be a finite number > 0 (the coefficient's step per trainer step), got {delta}")
+    for key, value in (("entropy_coeff_min", low), ("entropy_coeff_max", high)):
+        if not is_finite_number(value):
+            c.add(f"{p}.{key}", f"must be a finite number (a bound of the adaptive entropy coefficient), got {value}")
+    if not (is_finite_number(low) and is_finite_number(high)):
+        return
+    if low > high:
+        c.add(f"{p}.entropy_coeff_min", f"({low}) is above {p}.entropy_coeff_max ({high}); swap them")
+    elif is_finite_number(init) and not low <= init <= high:
+        c.add(f"{p}.entropy_coeff", f"({init}) is the adaptive controller's initial coefficient and must lie in "
+              f"[{p}.entropy_coeff_min, {p}.entropy_coeff_max] = [{low}, {high}]")
+
+
+# the built-in losses that read each loss-specific key (a plug-in gets them all in PolicyLossInputs)
+_LOSS_KEYS: dict[str, str] = {
+    "tau_positive": "sapo", "tau_negative": "sapo", "clip_cov_ratio": "clip_cov", "clip_cov_lb": "clip_cov",
+    "clip_cov_ub": "clip_cov", "kl_cov_ratio": "kl_cov", "ppo_kl_coef": "kl_cov",
+}
+
+
+def _check_loss_hyperparameters(c: Checks) -> None:
+    p, actor = "worker.actor", c.cfg.worker.actor
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        value = getattr(actor, key)
+        if not is_finite_number(value) or not 0 < value <= 1:
+            c.add(f"{p}.{key}", f"must be a fraction of the tokens in (0, 1], got {value} (verl's default is 0.0002)")
+    low, high = actor.clip_cov_lb, actor.clip_cov_ub
+    if not (is_finite_number(low) and is_finite_number(high)) or low >= high:
+        c.add(f"{p}.clip_cov_lb", f"({low}) must be below {p}.clip_cov_ub ({high}): Clip-Cov picks tokens whose "
+              "covariance lies between them")
+    if not is_finite_number(actor.ppo_kl_coef) or actor.ppo_kl_coef < 0:
+        c.add(f"{p}.ppo_kl_coef", f"must be a finite number >= 0, got {actor.ppo_kl_coef}")
+    if is_plugin_spec(actor.loss_type):
+        return
+    for key, loss in _LOSS_KEYS.items():
+        if actor.loss_type != loss and differs(actor, type(actor)(), key):
+            c.add(f"{p}.{key}", f"is set, but only loss_type={loss} reads it and {p}.loss_type is {actor.loss_type}; "
+                  f"remove it, or set loss_type={loss}")
+
+
+def _check_token_filters(c: Checks) -> None:
+    p, actor = "worker.actor", c.cfg.worker.actor
+    quantile, threshold = actor.top_entropy_quantile, actor.off_policy_mask_threshold
+    if not is_finite_number(quantile) or not 0 <= quantile <= 1:
+        c.add(f"{p}.top_entropy_quantile", "must be in [0, 1] (the share of tokens, by entropy, that keep the policy "
+              f"gradient; 0.2 in the paper, 1 = all), got {quantile}")
+    if threshold is not None and (not is_finite_number(threshold) or threshold < 0):
+        c.add(f"{p}.off_policy_mask_threshold", f"must be a number >= 0 (the paper's delta, e.g. 0.5) or null, got {threshold}")
+    for key, on in (("top_entropy_quantile", quantile != 1), ("off_policy_mask_threshold", threshold is not None)):
+        if on and is_plugin_spec(actor.loss_type):
+            c.add(f"{p}.{key}", f"is set, but {p}.loss_type={actor.loss_type} is a plug-in, which may not apply "
+                  "PolicyLossInputs.token_gate; use a built-in loss, or apply the gate in your loss and register it "
+                  "by name (easyvlm.algorithms.register_policy_loss)")
 
 
 def check_critic(c: Checks) -> None:

@@ -126,15 +126,39 @@ class ActorConfig:
     """How token losses become one number: token (mean over all tokens of the mini-batch), seq
     (mean over tokens of each sequence, then over sequences), seq-mean-token-sum (sum over tokens,
     mean over sequences), seq-mean-token-sum-norm (sum over tokens divided by the longest possible
-    response, Dr. GRPO)."""
+    response, Dr. GRPO), token-sum (sum over every token of the mini-batch, no division; verl's)."""
     loss_type: str = "default"
     """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, sapo,
-    geo_mean (GMPO), or your own as `path/to/file.py:func`."""
+    geo_mean (GMPO), clip_cov, kl_cov (Clip-Cov / KL-Cov), gpg (plain policy gradient), or your own
+    as `path/to/file.py:func`."""
     tau_positive: float = 1.0
     """SAPO (arXiv:2511.20347): temperature of the soft gate for tokens with a non-negative
     advantage (loss_type=sapo only)."""
     tau_negative: float = 1.05
     """SAPO: temperature of the soft gate for tokens with a negative advantage (loss_type=sapo only)."""
+    clip_cov_ratio: float = 0.0002
+    """easyvlm extra (verl's key and default). Clip-Cov (loss_type=clip_cov, arXiv:2505.22617):
+    fraction of the valid tokens whose gradient is detached, drawn at random among those whose
+    covariance of advantage and log-prob lies in (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_lb: float = 1.0
+    """easyvlm extra (verl's key and default). Clip-Cov: lower end of the covariance band."""
+    clip_cov_ub: float = 5.0
+    """easyvlm extra (verl's key and default). Clip-Cov: upper end of the covariance band."""
+    kl_cov_ratio: float = 0.0002
+    """easyvlm extra (verl's key and default). KL-Cov (loss_type=kl_cov): fraction of the valid
+    tokens, those with the largest covariance, that get the penalty ppo_kl_coef * |log ratio| (the
+    paper uses 0.002 for 7B models and 0.0002 for 32B)."""
+    ppo_kl_coef: float = 1.0
+    """easyvlm extra (verl's key and default). KL-Cov: weight of the |log ratio| penalty on the
+    selected tokens."""
+    top_entropy_quantile: float = 1.0
+    """easyvlm extra (TRL's key). "Beyond the 80/20 rule" (arXiv:2506.01939): only the tokens whose
+    entropy is in the top fraction rho of the micro-batch carry the policy gradient (0.2 in the
+    paper); 1.0 = all tokens. The others still count in the loss's normaliser."""
+    off_policy_mask_threshold: Optional[float] = None
+    """easyvlm extra (TRL's key). DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556
+    eqn. 9): a sequence with a negative advantage whose mean log(pi_sampler / pi_theta) over its
+    tokens exceeds this (e.g. 0.5) carries no policy gradient. None = off."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     padding_free: bool = True
@@ -153,7 +177,23 @@ class ActorConfig:
     """torch.compile the log-prob and entropy kernels."""
     entropy_coeff: float = 0.0
     """easyvlm extra. Weight of the entropy bonus in the actor loss (loss -= entropy_coeff *
-    entropy); 0 = none."""
+    entropy); 0 = none. With use_adaptive_entropy: the controller's initial coefficient."""
+    use_adaptive_entropy: bool = False
+    """easyvlm extra (TRL's key). Adaptive entropy control (Skywork-OR1, arXiv:2505.22312; TRL's use_adaptive_entropy): after
+    each step the coefficient moves by entropy_coeff_delta towards more bonus while the step's
+    token-mean entropy is <= entropy_target, less otherwise, within [entropy_coeff_min,
+    entropy_coeff_max]; the bonus acts only in a step that follows one with entropy <=
+    entropy_target (so not in the first step, as in TRL). Logs actor/entropy_coeff (the
+    coefficient applied) and actor/entropy (the measurement). See docs/algorithms.md."""
+    entropy_target: float = 0.2
+    """easyvlm extra (TRL's key). Adaptive entropy control: the target token-mean entropy in nats (TRL's key and default)."""
+    entropy_coeff_delta: float = 0.005
+    """easyvlm extra. Adaptive entropy control: the coefficient's step per trainer step (TRL spells it
+    entropy_coef_delta; TRL's default)."""
+    entropy_coeff_min: float = 0.0
+    """easyvlm extra. Adaptive entropy control: the coefficient's lower bound (TRL: entropy_coef_min; its default)."""
+    entropy_coeff_max: float = 1.0
+    """easyvlm extra. Adaptive entropy control: the coefficient's upper bound (TRL: entropy_coef_max; its default)."""
     max_token_len_per_device: Optional[int] = None
     """easyvlm extra. Dynamic batching's token budget per micro-batch. None = the micro-batch
     size times the batch's padded sequence length."""

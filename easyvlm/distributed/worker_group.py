@@ -94,6 +94,14 @@ class _RankHost:
 
         return peak_rss_bytes()
 
+    @staticmethod
+    def peak_cuda_memory() -> tuple[int, int] | None:
+        """This rank's CUDA allocator peaks so far, (allocated, reserved) bytes; None without CUDA
+        (``perf/max_memory_allocated_gb/<group>``, ``perf/max_memory_reserved_gb/<group>``)."""
+        from easyvlm.utils.memory import cuda_peak_bytes
+
+        return cuda_peak_bytes()
+
 
 class WorkerGroup:
     def __init__(

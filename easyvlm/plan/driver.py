@@ -6,7 +6,7 @@ import dataclasses
 
 from easyvlm.config.derived import Derived
 from easyvlm.config.schema import PPOConfig
-from easyvlm.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpec
+from easyvlm.specs import AdvantageSpec, DriverSpec, EntropyControlSpec, RecordsSpec, RoundsSpec
 
 
 def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
@@ -40,6 +40,8 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         use_reference=derived.use_reference,
         rollout_correction=a.rollout_correction,
         critic_warmup=t.critic_warmup,
+        multi_objective_aggregation=a.multi_objective_aggregation,
+        reward_weights=tuple(float(f.weight) for f in cfg.worker.reward.reward_functions),
     )
     records = RecordsSpec(
         run_dir=derived.save_checkpoint_path,
@@ -66,4 +68,19 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         rounds=rounds,
         advantage=advantage,
         records=records,
+        entropy_control=entropy_control(cfg),
+    )
+
+
+def entropy_control(cfg: PPOConfig) -> EntropyControlSpec | None:
+    """The adaptive entropy controller's settings (``worker.actor.use_adaptive_entropy``), or None."""
+    actor = cfg.worker.actor
+    if not actor.use_adaptive_entropy:
+        return None
+    return EntropyControlSpec(
+        init_coeff=actor.entropy_coeff,
+        target=actor.entropy_target,
+        delta=actor.entropy_coeff_delta,
+        coeff_min=actor.entropy_coeff_min,
+        coeff_max=actor.entropy_coeff_max,
     )

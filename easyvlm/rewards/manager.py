@@ -399,7 +399,8 @@ def _combine(
             scores.update({f"{name}/{k}": v for k, v in s.items()})
     metrics = {f"reward/{k}": (sum(v) / n if n else 0.0) for k, v in scores.items()}
     metrics["reward/error_count"] = float(error_count)
-    return RewardResult(scores, metrics, errors)
+    function_keys = [f"{name}/overall" for name in names] if len(per_function) > 1 else []
+    return RewardResult(scores, metrics, errors, function_keys)
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -88,11 +88,15 @@ class RewardResult:
         "reward/error_count": scores set to 0 because the call failed (on_error=zero), counted per
         sample and per reward function.
     errors: the messages of those failures (empty with on_error=raise: a failure raises instead).
+    function_keys: with several reward functions, the keys of ``scores`` that hold each function's
+        own (unweighted) ``overall``, in the order of ``worker.reward.reward_functions``; empty with
+        one. ``algorithm.multi_objective_aggregation=normalize_then_sum`` reads them.
     """
 
     scores: dict[str, list[float]]
     metrics: dict[str, float]
     errors: list[str] = field(default_factory=list)
+    function_keys: list[str] = field(default_factory=list)
 
     @property
     def overall(self) -> list[float]:

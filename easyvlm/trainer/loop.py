@@ -19,6 +19,8 @@ import torch
 
 from easyvlm.agents.loop import TRAJECTORY_KEY, trajectory_metrics
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage, kl_penalty
+from easyvlm.algorithms.entropy import AdaptiveEntropyController
+from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
 from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
 from easyvlm.data.batch import UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
@@ -46,6 +48,8 @@ from easyvlm.trainer.topology import Workers, model_inputs
 from easyvlm.trainer.validation import validate
 
 logger = logging.getLogger("easyvlm")
+# (B, K) each reward function's own overall, with algorithm.multi_objective_aggregation=normalize_then_sum
+FUNCTION_SCORES = "reward_function_scores"
 
 
 class Trainer:
@@ -69,7 +73,12 @@ class Trainer:
         self.resume_from = resume_from
         adv = self.spec.advantage
         self.kl_ctrl = build_kl_controller(adv.kl_type, adv.kl_coef, adv.kl_target, adv.kl_horizon)
+        ent = self.spec.entropy_control  # worker.actor.use_adaptive_entropy: the actor's coefficient, per step
+        self.entropy_ctrl = (AdaptiveEntropyController(ent.init_coeff, ent.target, ent.delta, ent.coeff_min, ent.coeff_max)
+                             if ent is not None else None)
         self.advantage_fn = get_advantage(adv.estimator)
+        if adv.multi_objective_aggregation == "normalize_then_sum" and adv.estimator == "grpo":
+            self.advantage_fn = score_as_advantage  # GDPO's score is grpo's advantage as it is (TRL's)
         rc = adv.rollout_correction  # checked by the config check, so parsing cannot fail here
         self.correction = parse_rollout_correction(
             rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold
@@ -238,17 +247,24 @@ class Trainer:
         return batch
 
     def _rewards(self, batch: Batch, reward: Any, metrics: dict[str, float]) -> tuple[RewardResult, torch.Tensor]:
-        """The step's reward results (waited for here) and one reward per sample."""
+        """The step's reward results (waited for here) and one reward per sample (``overall``); with
+        normalize_then_sum, each reward function's own score goes into the batch for `_advantages`."""
         with timed("reward", metrics):
             result = collect(reward)
         assert len(result.overall) == len(batch), "one reward per sample"
         metrics.update(result.metrics)
         metrics.update(self.scorer.take_step_metrics())
+        if self.spec.advantage.multi_objective_aggregation == "normalize_then_sum":
+            per_function = [result.scores[k] for k in result.function_keys]  # K lists of B
+            batch[FUNCTION_SCORES] = torch.tensor(per_function, dtype=torch.float32).T
         return result, torch.tensor(result.overall, dtype=torch.float32)
 
     def _advantages(self, batch: Batch, seq_rewards: torch.Tensor, metrics: dict[str, float]) -> Batch:
         """3. Rewards per token, the KL in the reward, advantages and returns (pure functions)."""
         adv = self.spec.advantage
+        if FUNCTION_SCORES in batch:  # normalize_then_sum: GDPO's score replaces the weighted sum
+            assert batch[FUNCTION_SCORES].shape[1] == len(adv.reward_weights), "one score per reward function"
+            seq_rewards = gdpo_scores(batch[FUNCTION_SCORES], adv.reward_weights, batch["group_ids"])
         token_rewards = core.place_seq_rewards(seq_rewards, batch["response_mask"].bool())
         if adv.kl_in_reward:
             full_kl = adv.kl_penalty == "full"
@@ -280,8 +296,14 @@ class Trainer:
                 metrics.update(_rank0_metrics(workers.critic.dispatch_collect("update_critic", update_batch, self.critic_sp)))
         if self.global_step > self.spec.advantage.critic_warmup:
             actor_batch = self._corrected(update_batch, metrics) if self.correction.active else update_batch
+            ctrl = self.entropy_ctrl
+            entropy = {} if ctrl is None else {"entropy_coeff": ctrl.bonus_coeff}  # adaptive: this update's coefficient
             with timed("update_actor", metrics):
-                metrics.update(_rank0_metrics(workers.hybrid.dispatch_collect("update_actor", actor_batch, self.actor_sp)))
+                metrics.update(_rank0_metrics(workers.hybrid.dispatch_collect("update_actor", actor_batch, self.actor_sp,
+                                                                              **entropy)))
+            if ctrl is not None:  # the coefficient this update applied; the controller steps on its entropy
+                metrics["actor/entropy_coeff"] = entropy["entropy_coeff"]
+                ctrl.update(metrics["actor/entropy"])
             self.sampler.policy_version += 1
 
     def _step_metrics(self, batch: Batch, seq_rewards: torch.Tensor, metrics: dict[str, float]) -> dict[str, float]:
@@ -335,6 +357,7 @@ class Trainer:
                 "global_step": self.global_step,
                 "dataloader": self.train_loader.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
+                **({"entropy_ctrl": self.entropy_ctrl.state_dict()} if self.entropy_ctrl is not None else {}),
                 "rng": rng_state(),
                 **({"reward_model_scores": scores.state_dict()} if scores else {}),
             },
@@ -356,6 +379,8 @@ class Trainer:
         self.train_loader.load_state_dict(state["dataloader"])
         self.sampler.policy_version += 1  # the separate rollout group needs the loaded weights
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.entropy_ctrl is not None and "entropy_ctrl" in state:
+            self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
         if workers.reward_model_scores is not None and "reward_model_scores" in state:
             workers.reward_model_scores.load_state_dict(state["reward_model_scores"])
         set_rng_state(state["rng"])

@@ -67,7 +67,7 @@ class Scorer:
 
 
 def select_result(result: RewardResult, rows: list[int]) -> RewardResult:
-    return RewardResult({k: [v[i] for i in rows] for k, v in result.scores.items()}, {}, [])
+    return RewardResult({k: [v[i] for i in rows] for k, v in result.scores.items()}, {}, [], list(result.function_keys))
 
 
 def concat_results(results: list[RewardResult]) -> RewardResult:
@@ -80,7 +80,8 @@ def concat_results(results: list[RewardResult]) -> RewardResult:
     metrics = reward_metrics(scores)
     if any("reward/error_count" in r.metrics for r in results):
         metrics["reward/error_count"] = sum(r.metrics.get("reward/error_count", 0.0) for r in results)
-    return RewardResult(scores, metrics, [e for r in results for e in r.errors])
+    function_keys = list(results[0].function_keys) if results else []  # the same reward functions every round
+    return RewardResult(scores, metrics, [e for r in results for e in r.errors], function_keys)
 
 
 def collect(reward: Any) -> RewardResult:

@@ -17,7 +17,7 @@ from easyvlm.plan.roles import with_total_steps
 from easyvlm.rewards.actor import create_reward_actor
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
-from easyvlm.utils.memory import peak_rss_bytes, peak_rss_metrics
+from easyvlm.utils.memory import cuda_peak_metrics, peak_rss_bytes, peak_rss_metrics
 from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost, RolloutHost
 
 
@@ -36,8 +36,10 @@ class Workers:
         self.reward_model_scores: RewardModelScores | None = None
         self.judge: Judge | None = None
         self.rollout_group: WorkerGroup | None = None  # worker.rollout.placement=separate
-        self._peak_asks: dict[str, list] = {}  # perf/peak_rss_gb: questions not answered yet (a busy group's)
-        self._peaks: dict[str, list[int]] = {}  # each process's last answer, bytes (a group's by rank)
+        # perf/peak_rss_gb and (GPU ranks) perf/max_memory_*_gb, by ("rss" | "cuda", process name):
+        self._peak_asks: dict[tuple[str, str], list] = {}  # questions not answered yet (a busy group's)
+        self._peaks: dict[tuple[str, str], list] = {}  # each process's last answers (a group's by rank)
+        self._use_gpu = resources is not None and resources.use_gpu  # CPU ranks hold no GPU memory: not asked
         try:
             self._start(plan, resources, total_steps, encoder)
         except BaseException:
@@ -81,23 +83,32 @@ class Workers:
 
     def peak_memory(self, generating_ahead: bool) -> dict[str, float]:
         """``perf/peak_rss_gb/<process>``: the peak resident memory so far of the driver, of each worker
-        group (its largest rank's) and of the reward actor (``easyvlm.utils.memory``). A group busy
-        with the next step's generation in the background (``generating_ahead``, one_step_off: the
-        rollout group and the reward actor) is not waited for: it answers a later step, and its last
-        answer is logged meanwhile."""
+        group (its largest rank's) and of the reward actor (``easyvlm.utils.memory``); on GPUs also
+        each group's CUDA allocator peaks, ``perf/max_memory_allocated_gb/<group>`` and
+        ``perf/max_memory_reserved_gb/<group>`` (absent on the CPU). A group busy with the next
+        step's generation in the background (``generating_ahead``, one_step_off: the rollout group
+        and the reward actor) is not waited for: it answers a later step, and its last answer is
+        logged meanwhile."""
         groups = {"hybrid": self.hybrid, "critic": self.critic, "reward_model": self.reward_model,
                   "rollout": self.rollout_group}
+        asked = {("rss", "reward"): ([self.reward_actor], "peak_rss")}  # (kind, process): (actors, their method)
         for name, group in groups.items():
-            if group is not None and name not in self._peak_asks:
-                self._peak_asks[name] = [w.peak_rss.remote() for w in group.workers]
-        self._peak_asks.setdefault("reward", [self.reward_actor.peak_rss.remote()])
-        for name, refs in list(self._peak_asks.items()):
-            busy = name in ("rollout", "reward") and generating_ahead
+            if group is not None:
+                asked["rss", name] = (group.workers, "peak_rss")
+                if self._use_gpu:
+                    asked["cuda", name] = (group.workers, "peak_cuda_memory")
+        for key, (actors, method) in asked.items():
+            if key not in self._peak_asks:
+                self._peak_asks[key] = [getattr(actor, method).remote() for actor in actors]
+        for key, refs in list(self._peak_asks.items()):
+            busy = key[1] in ("rollout", "reward") and generating_ahead
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if busy else None)
             if len(ready) == len(refs):
-                self._peaks[name] = ray.get(refs)
-                del self._peak_asks[name]
-        return peak_rss_metrics({"driver": peak_rss_bytes(), **self._peaks})
+                self._peaks[key] = ray.get(refs)
+                del self._peak_asks[key]
+        rss = {name: peaks for (kind, name), peaks in self._peaks.items() if kind == "rss"}
+        cuda = {name: peaks for (kind, name), peaks in self._peaks.items() if kind == "cuda"}
+        return {**peak_rss_metrics({"driver": peak_rss_bytes(), **rss}), **cuda_peak_metrics(cuda)}
 
     def shutdown(self) -> None:
         """Stop this run's Ray actors and free their resources. Ray itself stays up, so a process

@@ -2,7 +2,10 @@
 
 No torch, no Ray: the driver, every worker group's ranks and the reward actor call
 :func:`peak_rss_bytes` in their own process, and the driver turns the answers into
-``perf/peak_rss_gb/<process>`` with :func:`peak_rss_metrics`.
+``perf/peak_rss_gb/<process>`` with :func:`peak_rss_metrics`. On GPUs the ranks also answer
+:func:`cuda_peak_bytes` (torch's CUDA allocator, read only where the process already imported
+torch), which :func:`cuda_peak_metrics` turns into EasyR1's ``perf/max_memory_allocated_gb`` and
+``perf/max_memory_reserved_gb``, per worker group: ``.../<group>``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any, Mapping, Sequence
 
 GiB = 1024**3
 PEAK_RSS_PREFIX = "perf/peak_rss_gb"
+CUDA_ALLOCATED_PREFIX = "perf/max_memory_allocated_gb"  # EasyR1's names (torch.cuda.max_memory_*)
+CUDA_RESERVED_PREFIX = "perf/max_memory_reserved_gb"
 
 
 def peak_rss_bytes() -> int:
@@ -42,6 +47,31 @@ def peak_rss_metrics(peaks: Mapping[str, int | Sequence[int]]) -> dict[str, floa
         values = [value] if isinstance(value, int) else list(value)
         if values:
             out[f"{PEAK_RSS_PREFIX}/{name}"] = max(values) / GiB
+    return out
+
+
+def cuda_peak_bytes() -> tuple[int, int] | None:
+    """(allocated, reserved): the high-water marks, in bytes, of torch's CUDA caching allocator in
+    this process on its current device (``torch.cuda.max_memory_allocated`` / ``_reserved``: the
+    tensors it held at most, and the memory the allocator took from the driver for them). None
+    without CUDA: no device visible, or torch never imported here (a process that does not use
+    torch is not made to import it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+
+
+def cuda_peak_metrics(peaks: Mapping[str, Sequence[tuple[int, int] | None]]) -> dict[str, float]:
+    """``perf/max_memory_allocated_gb/<name>`` and ``perf/max_memory_reserved_gb/<name>`` (GiB, as
+    EasyR1 logs them) of each worker group's ranks' :func:`cuda_peak_bytes` answers: the largest
+    rank's. A group whose ranks have no CUDA (None) gets no keys: absent, not 0."""
+    out = {}
+    for name, answers in peaks.items():
+        known = [a for a in answers if a is not None]
+        if known:
+            out[f"{CUDA_ALLOCATED_PREFIX}/{name}"] = max(a for a, _ in known) / GiB
+            out[f"{CUDA_RESERVED_PREFIX}/{name}"] = max(r for _, r in known) / GiB
     return out
 
 

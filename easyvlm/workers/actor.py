@@ -24,8 +24,10 @@ from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.kl import kl_loss
+from easyvlm.algorithms.masked import masked_mean
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.algorithms.rollout_mismatch import rollout_mismatch
+from easyvlm.algorithms.token_filters import high_entropy_gate, off_policy_sequence_gate
 from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
@@ -131,8 +133,13 @@ class ActorWorker:
         return torch.cat(values)
 
     # ------------------------------------------------------------------ update
-    def update_policy(self, batch: Batch) -> dict[str, float]:
+    def update_policy(self, batch: Batch, entropy_coeff: float | None = None) -> dict[str, float]:
         """One training step over this rank's samples (``easyvlm.workers.update``); returns metrics.
+
+        entropy_coeff: this update's entropy-bonus coefficient, set by the driver's adaptive
+        controller (``worker.actor.use_adaptive_entropy``); None: ``spec.entropy_coeff``. When
+        given, the metrics also carry actor/entropy, the token mean of the exact entropy over each
+        mini-batch's valid tokens (averaged over mini-batches): the controller's measurement.
 
         batch: the compute_logprobs inputs plus ``response_mask`` (B, T) bool, ``advantages`` (B, T),
         ``old_logprobs`` (B, T) (optional for an on-policy update: one PPO epoch, one mini-batch;
@@ -154,9 +161,11 @@ class ActorWorker:
         assert "old_logprobs" in batch or (update.ppo_epochs == 1 and len(batch) <= update.mini_batch_per_rank), (
             "update_policy without old_logprobs is only valid for an on-policy update (update_is_on_policy)"
         )
-        return self.trained.update(batch, self._micro_loss)
+        if entropy_coeff is None:
+            return self.trained.update(batch, self._micro_loss)
+        return self.trained.update(batch, lambda micro, n: self._micro_loss(micro, n, entropy_coeff=float(entropy_coeff)))
 
-    def _micro_loss(self, micro: Batch, normalizer: float) -> MicroLoss:
+    def _micro_loss(self, micro: Batch, normalizer: float, entropy_coeff: float | None = None) -> MicroLoss:
         spec = self.spec
         mode = spec.update.loss_avg_mode
         mask = micro["response_mask"].to(self.device).bool()
@@ -171,21 +180,31 @@ class ActorWorker:
         advantages = micro["advantages"].to(self.device)
         # the rollout correction's weights (algorithm.rollout_correction.rollout_is), made in the driver
         weights = micro["rollout_is_weights"].to(self.device) if "rollout_is_weights" in micro else None
-        pg_loss, pg_metrics = policy_loss(spec.policy_loss, PolicyLossTensors(logprobs, old_logprobs, advantages, mask, weights), normalizer)
+        # the sampler's log-probs where the rollout kept them (they see its numerical mismatch too)
+        sampler_logprobs = micro["rollout_logprobs"].to(self.device) if "rollout_logprobs" in micro else old_logprobs
+        gate = token_gate(spec.policy_loss, entropy, logprobs, sampler_logprobs, advantages, mask)
+        tensors = PolicyLossTensors(logprobs, old_logprobs, advantages, mask, weights, gate)
+        pg_loss, pg_metrics = policy_loss(spec.policy_loss, tensors, normalizer)
         loss = pg_loss
-        entropy_loss = aggregate_loss(entropy if spec.entropy_coeff else entropy.detach(), mask, mode, normalizer)
-        if spec.entropy_coeff:
-            loss = loss - spec.entropy_coeff * entropy_loss
+        coeff = spec.entropy_coeff if entropy_coeff is None else entropy_coeff  # the driver's, when adaptive
+        entropy_loss = aggregate_loss(entropy if coeff else entropy.detach(), mask, mode, normalizer)
+        if coeff:
+            loss = loss - coeff * entropy_loss
         sums = {"pg_loss": pg_loss.item(), "entropy_loss": entropy_loss.item()}
         if spec.kl_loss is not None:
             if full_kl:  # KL(pi || pi_ref) over the vocabulary, per token
                 kl = aggregate_loss(outputs["kl_full"], mask, mode, normalizer)
             else:
-                kl = kl_loss(logprobs, micro["ref_logprobs"].to(self.device), mask, spec.kl_loss.penalty, mode, normalizer)
+                kl = kl_loss(logprobs, micro["ref_logprobs"].to(self.device), mask, spec.kl_loss.penalty, mode, normalizer,
+                             old_logprobs=old_logprobs if spec.kl_loss.bias_correction else None)
             loss = loss + spec.kl_loss.coef * kl
             sums["kl_loss"] = kl.item()
         # the exact entropy above replaces the loss's one-sample estimate
         means = {k: float(v) for k, v in pg_metrics.items() if k != "entropy_loss"}
+        if entropy_coeff is not None:  # the adaptive controller's measurement: token-mean entropy
+            means["entropy"] = float(masked_mean(entropy.detach(), mask))
+        if gate is not None:  # the share of valid tokens that carry the policy gradient
+            means["pg_token_frac"] = float(gate.sum()) / max(float(mask.sum()), 1.0)
         if "rollout_logprobs" in micro:  # the sampler against the policy it sampled from (old_logprobs)
             mismatch = rollout_mismatch(old_logprobs, micro["rollout_logprobs"].to(self.device), mask)
             means.update({f"rollout_mismatch/{k}": v for k, v in mismatch.items()})
@@ -255,6 +274,21 @@ class PolicyLossTensors(NamedTuple):
     advantages: Tensor
     response_mask: Tensor
     rollout_is_weights: Tensor | None
+    token_gate: Tensor | None = None
+
+
+def token_gate(
+    spec: PolicyLossSpec, entropies: Tensor, logprobs: Tensor, sampler_logprobs: Tensor, advantages: Tensor, mask: Tensor
+) -> Tensor | None:
+    """(B, T) bool: the tokens that carry the policy gradient under ``worker.actor.top_entropy_quantile``
+    and ``off_policy_mask_threshold`` (``easyvlm.algorithms.token_filters``); None when both are off."""
+    gate = None
+    if spec.top_entropy_quantile < 1.0:
+        gate = high_entropy_gate(entropies.detach(), mask, spec.top_entropy_quantile)
+    if spec.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_gate(advantages, logprobs, sampler_logprobs, mask, spec.off_policy_mask_threshold)
+        gate = kept if gate is None else gate & kept
+    return gate
 
 
 def policy_loss(spec: PolicyLossSpec, tensors: PolicyLossTensors, normalizer: float) -> tuple[Tensor, dict[str, float]]:
@@ -273,5 +307,11 @@ def policy_loss(spec: PolicyLossSpec, tensors: PolicyLossTensors, normalizer: fl
         loss_avg_mode=spec.loss_avg_mode,
         normalizer=normalizer,
         rollout_is_weights=tensors.rollout_is_weights,
+        token_gate=tensors.token_gate,
+        clip_cov_ratio=spec.clip_cov_ratio,
+        clip_cov_lb=spec.clip_cov_lb,
+        clip_cov_ub=spec.clip_cov_ub,
+        kl_cov_ratio=spec.kl_cov_ratio,
+        ppo_kl_coef=spec.ppo_kl_coef,
     )
     return get_policy_loss(spec.name, spec.source)(inputs)

@@ -74,8 +74,9 @@ class HybridWorker:
             out["ref_kl"] = self.actor.full_kl(batch, self.ref.log_distribution)
         return out
 
-    def update_actor(self, batch: Batch) -> dict[str, float]:
-        metrics = self.actor.update_policy(batch)
+    def update_actor(self, batch: Batch, entropy_coeff: float | None = None) -> dict[str, float]:
+        """``entropy_coeff``: the driver's adaptive entropy coefficient for this update (None: the spec's)."""
+        metrics = self.actor.update_policy(batch, entropy_coeff)
         self._policy_version += 1
         return metrics
 

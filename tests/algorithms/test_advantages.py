@@ -334,6 +334,6 @@ def test_bad_specs_give_clear_errors(tmp_path):
 
 def test_registered_names_match_the_documented_list():
     assert set(advantage_names()) == {
-        "gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+        "gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg"
     }
     assert isinstance(get_advantage("grpo")(group_inputs()), AdvantageOutputs)

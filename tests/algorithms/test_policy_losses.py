@@ -381,7 +381,9 @@ def test_bad_specs_give_clear_errors(tmp_path):
 
 
 def test_registered_names_match_the_documented_list():
-    assert set(policy_loss_names()) == {"default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean"}
+    assert set(policy_loss_names()) == {
+        "default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg"
+    }
 
 
 # GMPO (geo_mean): log-ratios d (r = e^d); eps_low 0.2, eps_high 0.3 (the defaults). The pessimistic

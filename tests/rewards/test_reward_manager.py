@@ -249,12 +249,16 @@ def test_weighted_combination_and_key_names(toy):
     ]
     assert result.scores["synthetic/overall"] == pytest.approx([1.0, 0.1])
     assert result.metrics["reward/toy/accuracy"] == 0.5
+    # each function's own (unweighted) overall, in the config's order: GDPO's r_k (normalize_then_sum)
+    assert result.function_keys == ["synthetic/overall", "toy/overall", "toy_2/overall"]
+    assert result.scores["toy_2/overall"] == pytest.approx([1.0, 0.0])
 
 
 def test_single_weighted_function_scales_overall_only(toy):
     with manager(RewardFunctionSpec(f"{toy}:batch", weight=0.5)) as m:
         result = m.compute([inp("a", "a")])
     assert result.scores == {"overall": [0.5], "accuracy": [1.0]}
+    assert result.function_keys == []  # one function: nothing to normalise apart
 
 
 @pytest.mark.parametrize("mode", ["batch", "sequential"])

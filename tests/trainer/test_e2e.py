@@ -72,6 +72,13 @@ RUNS = {
         [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "worker.actor.loss_type=gspo"],
         ["actor/kl_loss"],
     ),
+    # GPG's estimator and loss, with TRL's two token gates and the importance-weighted KL loss
+    "gpg_gated": (
+        [f"worker.reward.reward_function={HASH_REWARD}", "worker.rollout.name=hf", "algorithm.adv_estimator=gpg",
+         "worker.actor.loss_type=gpg", "worker.actor.top_entropy_quantile=0.5",
+         "worker.actor.off_policy_mask_threshold=0.5", "algorithm.use_bias_correction_kl=true"],
+        ["actor/kl_loss", "actor/pg_token_frac"],
+    ),
     # with verl's rollout correction on: token TIS and sequence rejection (the trainer then computes
     # old log-probs although the update is on-policy)
     "rloo": (

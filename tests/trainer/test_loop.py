@@ -323,7 +323,7 @@ def test_reward_settings_the_loop_reads(monkeypatch, tiny_model_path, tmp_path):
 
 def test_advantage_settings_reach_the_estimator(monkeypatch, tiny_model_path, tmp_path):
     trainer, _ = make_trainer(monkeypatch, tiny_model_path, tmp_path, "algorithm.adv_estimator=reinforce_plus_plus",
-                              "algorithm.gamma=0.5", "algorithm.lam=0.7", "algorithm.norm_adv_by_std_in_grpo=false")
+                              "algorithm.gamma=0.5", "algorithm.lam=0.7")
     from easyvlm.algorithms import get_advantage
 
     assert trainer.advantage_fn is get_advantage("reinforce_plus_plus")
@@ -336,7 +336,8 @@ def test_advantage_settings_reach_the_estimator(monkeypatch, tiny_model_path, tm
 
     trainer.advantage_fn = spy
     one_step(trainer)
-    assert (seen[0].gamma, seen[0].lam, seen[0].norm_by_std) == (0.5, 0.7, False)
+    # norm_by_std is grpo's (its own test below); the check refuses norm_adv_by_std_in_grpo=false here
+    assert (seen[0].gamma, seen[0].lam, seen[0].norm_by_std) == (0.5, 0.7, True)
 
 
 @pytest.mark.parametrize("norm", [False, True])

@@ -8,7 +8,15 @@ import sys
 
 import pytest
 
-from easyvlm.utils.memory import GiB, peak_rss_bytes, peak_rss_metrics, release_pages, trim_heap
+from easyvlm.utils.memory import (
+    GiB,
+    cuda_peak_bytes,
+    cuda_peak_metrics,
+    peak_rss_bytes,
+    peak_rss_metrics,
+    release_pages,
+    trim_heap,
+)
 
 MiB = 2**20
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / malloc_trim / statm are Linux's")
@@ -60,6 +68,45 @@ def test_peak_rss_metrics_names_and_values():
     # GiB = 2^30 bytes; a group logs its largest rank's peak
     metrics = peak_rss_metrics({"driver": 3 * GiB // 2, "hybrid": [GiB, 5 * GiB // 4], "reward": [GiB // 4], "none": []})
     assert metrics == {"perf/peak_rss_gb/driver": 1.5, "perf/peak_rss_gb/hybrid": 1.25, "perf/peak_rss_gb/reward": 0.25}
+
+
+def test_cuda_peak_metrics_names_and_values():
+    # EasyR1's names, per group, GiB of the largest rank's (allocated, reserved); a group whose ranks
+    # have no CUDA (None) gets no keys at all
+    metrics = cuda_peak_metrics({"hybrid": [(GiB, 2 * GiB), (3 * GiB // 2, 7 * GiB // 4)], "critic": [None, None], "none": []})
+    assert metrics == {"perf/max_memory_allocated_gb/hybrid": 1.5, "perf/max_memory_reserved_gb/hybrid": 2.0}
+
+
+def _cuda_peak_in_a_fresh_process(code: str, **env: str) -> str:
+    import os
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "from easyvlm.utils.memory import cuda_peak_bytes\n" + code],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.strip()
+
+
+def test_without_cuda_there_is_no_cuda_peak_and_torch_is_not_imported_for_it():
+    # a process with torch but no visible device (on any machine: CUDA_VISIBLE_DEVICES empty)
+    assert _cuda_peak_in_a_fresh_process("import torch; print(cuda_peak_bytes())", CUDA_VISIBLE_DEVICES="") == "None"
+    # a process that never imported torch (the reward actor) answers None and still has not
+    assert _cuda_peak_in_a_fresh_process("import sys; print(cuda_peak_bytes(), 'torch' in sys.modules)") == "None False"
+
+
+@pytest.mark.gpu
+def test_cuda_peaks_are_the_allocators_high_water_marks():
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    block = torch.ones(256 * MiB, dtype=torch.uint8, device="cuda")
+    del block
+    allocated, reserved = cuda_peak_bytes()
+    assert allocated >= before + 256 * MiB  # the block counts after it was freed: a high-water mark
+    assert reserved >= allocated
+    assert (allocated, reserved) == (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    metrics = cuda_peak_metrics({"hybrid": [(allocated, reserved)]})
+    assert metrics["perf/max_memory_allocated_gb/hybrid"] == allocated / GiB >= 0.25
 
 
 @linux_only

@@ -358,3 +358,61 @@ def test_trainer_seed_sets_the_new_lora_weights(process_group, tiny_model_path):
     assert first and first.keys() == other.keys()
     assert all(torch.equal(first[n], again[n]) for n in first)
     assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
+def _one_micro_batch_actor(tiny_model_path, **overrides) -> ActorWorker:
+    """lr 0 and one micro-batch of the whole (4-sample) batch: the gate sees what a test recomputes."""
+    return make_actor(tiny_model_path, global_batch_size=4, micro_batch_size_per_device_for_update=4,
+                      dynamic_batching=False, lr=0.0, **overrides)
+
+
+def _expected_pg_loss(fresh, data, gate) -> float:
+    loss, _ = get_policy_loss("default")(PolicyLossInputs(
+        logprobs=fresh["old_logprobs"], old_logprobs=data["old_logprobs"], advantages=data["advantages"],
+        response_mask=data["response_mask"], token_gate=gate))
+    return loss.item()
+
+
+def test_top_entropy_quantile_gates_the_update_by_the_micro_batch_entropies(process_group, tiny_model_path, batch):
+    from easyvlm.algorithms.token_filters import high_entropy_gate
+
+    actor = _one_micro_batch_actor(tiny_model_path, top_entropy_quantile=0.5)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    fresh = actor.compute_logprobs(data, with_entropy=True)
+    mask = data["response_mask"]
+    gate = high_entropy_gate(fresh["entropies"], mask, 0.5)
+    metrics = actor.update_policy(data)
+    assert metrics["actor/pg_token_frac"] == pytest.approx(gate.sum().item() / mask.sum().item())
+    assert 0.4 < metrics["actor/pg_token_frac"] < 0.6  # about half the tokens (ties aside)
+    assert metrics["actor/pg_loss"] == pytest.approx(_expected_pg_loss(fresh, data, gate), rel=1e-5)
+    assert metrics["actor/pg_loss"] != pytest.approx(_expected_pg_loss(fresh, data, None), rel=1e-3)
+
+
+def test_off_policy_mask_threshold_drops_stale_negative_sequences(process_group, tiny_model_path, batch):
+    actor = _one_micro_batch_actor(tiny_model_path, off_policy_mask_threshold=0.5)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    mask = data["response_mask"]
+    # samples 0 and 1 negative, 2 and 3 positive; the sampler's log-probs 1 nat above the policy's for
+    # samples 0 and 2: only sample 0 is dropped (negative and mean log(pi_sampler / pi) = 1 > 0.5)
+    sign = torch.tensor([-1.0, -1.0, 1.0, 1.0]).unsqueeze(-1)
+    data["advantages"] = torch.where(mask, data["advantages"].abs() + 0.1, 0.0) * sign
+    fresh = actor.compute_logprobs(data, with_entropy=True)
+    offset = torch.tensor([1.0, 0.0, 1.0, 0.0]).unsqueeze(-1)
+    data["rollout_logprobs"] = torch.where(mask, fresh["old_logprobs"] + offset, 0.0)
+    metrics = actor.update_policy(data)
+    gate = mask.clone()
+    gate[0] = False
+    assert metrics["actor/pg_token_frac"] == pytest.approx(gate.sum().item() / mask.sum().item())
+    assert metrics["actor/pg_loss"] == pytest.approx(_expected_pg_loss(fresh, data, gate), rel=1e-5)
+
+
+def test_use_bias_correction_kl_weighs_the_kl_loss_by_the_ratio(process_group, tiny_model_path, batch):
+    algorithm = dict(use_kl_loss=True, kl_penalty="low_var_kl", kl_coef=0.5, use_bias_correction_kl=True)
+    actor = _one_micro_batch_actor(tiny_model_path, algorithm=algorithm)
+    data = with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"])
+    fresh = actor.compute_logprobs(data)["old_logprobs"]
+    data["ref_logprobs"] = fresh + 0.2  # k3 = e^0.2 - 1.2 at every token, times r = pi / pi_old
+    mask = data["response_mask"]
+    ratio = torch.exp(fresh - data["old_logprobs"])[mask]
+    metrics = actor.update_policy(data)
+    assert metrics["actor/kl_loss"] == pytest.approx((math.exp(0.2) - 1.2) * ratio.mean().item(), rel=1e-4)
