@@ -130,16 +130,18 @@ class WorkerGroup:
         host_cls = ray.remote(_RankHost)
         cpus = resources.cpus_per_worker * share
 
-        def start(rank: int, addr: str, port: int):
+        def start(rank: int, addr: str, port: int, named: bool = True):
             return host_cls.options(
                 num_cpus=cpus,
                 num_gpus=share if resources.use_gpu else 0,  # a fraction: colocated ranks see the same GPU
-                name=f"easyvlm-{name}-{rank}",
+                name=f"easyvlm-{name}-{rank}" if named else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(rank, self.world_size, addr, port, cpus, resources.use_gpu)
 
-        # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port
-        probe = start(0, "127.0.0.1", 0)
+        # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port.
+        # Unnamed: ray.kill returns before the GCS frees an actor's name, so a probe named as rank 0
+        # made rank 0's start fail with ActorAlreadyExistsError on a loaded machine.
+        probe = start(0, "127.0.0.1", 0, named=False)
         addr, port = ray.get(probe.node_address.remote())
         ray.kill(probe)
         self.workers = [start(rank, addr, port) for rank in range(self.world_size)]

@@ -59,6 +59,28 @@ def test_dispatch_pads_chunks_and_restores_order(ray_local):
         group.shutdown()
 
 
+@pytest.mark.slow
+def test_rank_zero_starts_while_the_probe_is_still_dying(ray_local, monkeypatch):
+    """The rendezvous probe runs on rank 0's bundle and is killed before rank 0 starts; ray.kill
+    returns before the GCS lets the actor go. Here the kill is held back 1 s (a loaded machine, as in
+    the two-node CI run that failed with "The name easyvlm-hybrid-0 is already taken"): rank 0 must
+    wait for the bundle, not collide with the probe's name."""
+    import threading
+
+    real_kill = ray.kill
+
+    def late_kill(actor, **kwargs):
+        threading.Timer(1.0, real_kill, (actor,), kwargs).start()
+
+    monkeypatch.setattr(ray, "kill", late_kill)
+    group = WorkerGroup("late", Resources(world_size=1, cpus_per_worker=1, use_gpu=False), EchoWorker)
+    try:
+        assert group.call_all("allreduce_rank") == [1]  # rank 0 alone: 0 + 1
+    finally:
+        monkeypatch.setattr(ray, "kill", real_kill)
+        group.shutdown()
+
+
 def test_placement_report_names_each_ranks_node():
     from easyvlm.distributed.worker_group import placement_report
 
