@@ -23,7 +23,12 @@ from typing import Sequence
 
 import torch
 
+import easyvlm.builtin
+
 REPO = Path(__file__).resolve().parents[1]
+# what every easyvlm command does first (easyvlm.trainer.main's load_bundle): `builtin:` model paths
+# and data sets resolve in the benchmark scripts' own processes too (eos_free_model, engines, workers)
+easyvlm.builtin.register()
 
 
 def example_args(*overrides: str) -> list[str]:

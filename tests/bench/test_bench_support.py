@@ -78,3 +78,16 @@ def test_a_run_over_its_time_leaves_no_process_behind(tmp_path):
         vs_trl._watch([sys.executable, "-c", child], 1, tmp_path / "run.log", timeout=2)
     time.sleep(0.5)  # the kill is asynchronous
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout == ""
+
+
+def test_the_benchmarks_resolve_builtin_models_in_their_own_process():
+    # bench/vs_trl.py resolves builtin:bench-qwen2.5-vl in its own process (eos_free_model): without
+    # easyvlm.builtin.register() that raised "no model scheme 'builtin:' is known" (issue 34 made the
+    # registration explicit; the test process registers in conftest, so a fresh process checks it)
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, 'bench'); import bench_support; "
+            "from easyvlm.models import paths; print(sorted(paths._SCHEMES))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[-2] == "['builtin:']"
