@@ -8,7 +8,8 @@ step's 128 rows, the demo model's, and a square 2048 product: the time of a forw
 (y = x W^T, then dL/dx and dL/dW: 6 M K N FLOPs) through each path, median over ``--repeats`` calls,
 the two paths alternated over ``--rounds`` rounds (the median of the rounds' medians is reported).
 oneDNN is forced for every shape here (easyvlm itself keeps calls below ``MIN_ONEDNN_MACS`` on
-``F.linear``). Also prints the CPU's vector extensions and torch's BLAS: MKL runs its AVX2 kernels on
+``F.linear`` and above it takes the faster kernel as timed on the machine: easyvlm.models.kernel_choice).
+Also prints the CPU's vector extensions and torch's BLAS: MKL runs its AVX2 kernels on
 CPUs that are not Intel's, whatever they support.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -74,7 +76,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_linear.MIN_ONEDNN_MACS = 1  # every shape through oneDNN, to compare
+    cpu_linear.MIN_ONEDNN_MACS = 1  # every shape through oneDNN, to compare:
+    os.environ[cpu_linear.ENV_SWITCH] = "onednn"  # not easyvlm's measured choice (which may be F.linear)
     blas = next((line.strip() for line in torch.__config__.show().splitlines() if "Math Kernel Library" in line), "BLAS: see torch.__config__.show()")
     print(f"CPU: {cpu_flags()}\ntorch {torch.__version__}, {args.threads} threads; {blas}\n")
     print(f"{'shape':<46} {'M x K x N':>18} {'F.linear GFLOP/s':>17} {'oneDNN GFLOP/s':>15} {'speed-up':>9}")

@@ -29,6 +29,18 @@ TEST_TRAIN_SIZE = 64
 TEST_VAL_SIZE = 32
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: one torch thread avoids oversubscription (10x faster
+    here). Worker tests take it always (tests/workers/conftest.py), model tests by ``usefixtures``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def easyvlm_cache_dir() -> Path:
     path = Path(os.environ["EASYVLM_CACHE"]).expanduser()

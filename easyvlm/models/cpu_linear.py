@@ -15,21 +15,29 @@ torch registers for its compiler's CPU kernels) in strict float32: no down-conve
 default. Results differ from MKL's only by the order of the float32 additions (~1e-6 relative;
 exact for integer-valued inputs, tests/models/test_cpu_linear.py).
 
-When: float32 tensors on the CPU of an x86-64 machine with oneDNN (:func:`onednn_linear_available`);
-anything else (CUDA, bfloat16, tensor subclasses such as DTensor) takes ``F.linear`` as before.
-``EASYVLM_CPU_LINEAR=aten`` turns it off (to compare, or on a CPU where MKL is faster).
+When: float32 tensors on the CPU of an x86-64 machine with oneDNN (:func:`onednn_linear_available`),
+calls of at least ``MIN_ONEDNN_MACS`` multiply-adds, and only where oneDNN is the faster kernel on this
+machine: each shape class is timed once through both kernels (:func:`time_kernels`) and the choice
+kept (:mod:`easyvlm.models.kernel_choice`; on an AVX2-only AMD CPU MKL can win). Anything else (CUDA,
+bfloat16, tensor subclasses such as DTensor) takes ``F.linear`` as before.
+``EASYVLM_CPU_LINEAR``: ``auto`` (the default: by measurement), ``onednn`` (oneDNN for every call above
+the size floor, unmeasured: the rule before issue 36) or ``aten`` (``F.linear`` always).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ENV_SWITCH = "EASYVLM_CPU_LINEAR"  # "onednn" (the default where available) or "aten"
+from easyvlm.models.kernel_choice import KERNELS, KernelChooser, ShapeClass, default_cache_file, machine_key, shape_class
+
+ENV_SWITCH = "EASYVLM_CPU_LINEAR"  # "auto" (the default: measured), "onednn" or "aten"
+CHOICES = ("auto", "onednn", "aten")
 # Below this many multiply-adds (rows x in_features x out_features) a call stays with F.linear: oneDNN's
 # fixed cost per call (~50 us here) outweighs its faster kernel (bench/cpu_matmul.py: at 256 x 64 x 64
 # oneDNN's forward + backward took 1.5x as long as F.linear's; from ~2^23 on it is 1.4-2.1x faster).
@@ -45,12 +53,18 @@ for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):  # o
     os.environ.setdefault(_variable, PRIMITIVE_CACHE_CAPACITY)
 
 
+def linear_mode() -> str:
+    """``EASYVLM_CPU_LINEAR``, checked: auto, onednn or aten."""
+    mode = os.environ.get(ENV_SWITCH, "auto")
+    if mode not in CHOICES:
+        raise ValueError(f"{ENV_SWITCH}={mode!r}: use 'auto' (the default: the faster kernel per shape, timed on this "
+                         "machine), 'onednn' (oneDNN always) or 'aten' (torch's F.linear always)")
+    return mode
+
+
 def onednn_linear_available() -> bool:
-    """Whether this process's CPU linears go through oneDNN: x86-64, torch built with it, not turned off."""
-    choice = os.environ.get(ENV_SWITCH, "onednn")
-    if choice not in ("onednn", "aten"):
-        raise ValueError(f"{ENV_SWITCH}={choice!r}: use 'onednn' (the default on x86-64) or 'aten' (torch's F.linear)")
-    return choice == "onednn" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+    """Whether this process's CPU linears may go through oneDNN: x86-64, torch built with it, not turned off."""
+    return linear_mode() != "aten" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
 
 def _mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,11 +99,61 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def time_kernels(shape: ShapeClass, rounds: int = 3) -> dict[str, float]:
+    """Seconds per call of each kernel on ``shape`` (forward, and backward where the class has one):
+    random float32 operands, one warm-up call each (oneDNN builds its primitive), then ``rounds``
+    calls alternated between the kernels; the fastest of each (on a shared machine noise only adds
+    time: a median of 3 still took one descheduled call's 80 ms for a 0.5 ms product)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(shape.rows, shape.in_features, generator=generator)
+    weight = torch.randn(shape.out_features, shape.in_features, generator=generator) * shape.in_features**-0.5
+    grad = torch.randn(shape.rows, shape.out_features, generator=generator)
+    x.requires_grad_(shape.backward)
+    weight.requires_grad_(shape.backward)
+    kernels = {"onednn": lambda: _OneDNNLinearFunction.apply(x, weight, None), "aten": lambda: F.linear(x, weight)}
+
+    def once(kernel) -> float:
+        x.grad = weight.grad = None
+        start = time.perf_counter()
+        with torch.enable_grad() if shape.backward else torch.no_grad():
+            out = kernel()
+            if shape.backward:
+                out.backward(grad)
+        return time.perf_counter() - start
+
+    samples: dict[str, list[float]] = {name: [] for name in KERNELS}
+    for name in KERNELS:
+        once(kernels[name])
+    for _ in range(rounds):
+        for name in KERNELS:
+            samples[name].append(once(kernels[name]))
+    return {name: min(values) for name, values in samples.items()}
+
+
+_choosers: dict[int, KernelChooser] = {}  # by torch's thread count: the timings depend on it
+
+
+def chooser() -> KernelChooser:
+    """This process's kernel chooser for its current thread count (made on first use)."""
+    threads = torch.get_num_threads()
+    found = _choosers.get(threads)
+    if found is None:
+        machine = machine_key()
+        found = _choosers[threads] = KernelChooser(time_kernels, machine, default_cache_file(machine))
+    return found
+
+
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     plain = type(x) is torch.Tensor and type(weight) in (torch.Tensor, nn.Parameter)
     if not (plain and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32):
         return False
-    return x.numel() * weight.shape[0] >= MIN_ONEDNN_MACS  # rows x in_features x out_features
+    if x.numel() * weight.shape[0] < MIN_ONEDNN_MACS:  # rows x in_features x out_features
+        return False
+    if torch.compiler.is_compiling() or linear_mode() == "onednn":  # a compiled graph keeps the size rule alone
+        return True
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    rows = x.numel() // x.shape[-1]
+    return chooser().kernel(shape_class(rows, x.shape[-1], weight.shape[0], backward)) == "onednn"
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.errors import ConfigError
 from easyvlm.models.cpu_linear import onednn_linear_available
+from easyvlm.models.kernel_choice import ISA_VARIABLES
 from easyvlm.plan.build import RunPlan, build_plan, pick_device
 from easyvlm.trainer.nodes import prepare_nodes
 
@@ -37,7 +38,8 @@ _FORWARDED_ENV = (
     "VLLM_LOGGING_LEVEL",
     "PYTHONPATH",
     "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
-    "EASYVLM_CPU_LINEAR",  # "aten": CPU linears through torch's F.linear, not oneDNN (easyvlm.models.cpu_linear)
+    "EASYVLM_CPU_LINEAR",  # auto / onednn / aten: the CPU linears' kernel (easyvlm.models.cpu_linear)
+    *ISA_VARIABLES,  # oneDNN's and MKL's vector-ISA caps (e.g. AVX2 on an AVX-512 CPU), read at their start
 )
 _NODE_PATHS = ("HF_HOME", "EASYVLM_CACHE", "PYTHONPATH")
 EXIT_DATA_ERROR = 2

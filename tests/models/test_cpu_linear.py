@@ -20,8 +20,9 @@ ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 @pytest.fixture
 def every_call(monkeypatch):
-    """oneDNN for calls of any size (the tests' small ones are below MIN_ONEDNN_MACS)."""
+    """oneDNN for calls of any size (the tests' small ones are below MIN_ONEDNN_MACS), unmeasured."""
     monkeypatch.setattr("easyvlm.models.cpu_linear.MIN_ONEDNN_MACS", 1)
+    monkeypatch.setenv(ENV_SWITCH, "onednn")
 
 
 def op_counts(fn) -> dict[str, int]:
@@ -91,7 +92,8 @@ def test_falls_back_to_f_linear_where_it_does_not_apply(every_call):
         assert torch.equal(onednn_linear(x, w), F.linear(x, w))
 
 
-def test_small_calls_stay_with_f_linear():
+def test_small_calls_stay_with_f_linear(monkeypatch):
+    monkeypatch.setenv(ENV_SWITCH, "onednn")  # the size floor, without the measured choice
     # 2^13 rows x 32 in x 32 out = 2^23 multiply-adds: the threshold; one row fewer is below it
     weight = torch.randn(32, 32)
     at_threshold = op_counts(lambda: onednn_linear(torch.randn(2**13, 32), weight))
@@ -119,8 +121,11 @@ def test_swaps_plain_linears_only_and_keeps_parameters_and_state_dict():
 def test_environment_switch(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "aten")
     assert not onednn_linear_available()
+    for mode in ("auto", "onednn"):
+        monkeypatch.setenv(ENV_SWITCH, mode)
+        assert onednn_linear_available()
     monkeypatch.setenv(ENV_SWITCH, "mkl")
-    with pytest.raises(ValueError, match="EASYVLM_CPU_LINEAR='mkl': use 'onednn'"):
+    with pytest.raises(ValueError, match="EASYVLM_CPU_LINEAR='mkl': use 'auto'"):
         onednn_linear_available()
 
 
@@ -150,6 +155,7 @@ for i, rows in enumerate(range(500, 900, 10)):
 print(rss_mib() - after_ten)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env[ENV_SWITCH] = "onednn"  # every call through oneDNN, unmeasured: this is about its primitive cache
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True)
     growth_mib = float(out.stdout.strip().splitlines()[-1])
     assert growth_mib < 20, f"RSS grew by {growth_mib:.0f} MiB over 29 new token counts"

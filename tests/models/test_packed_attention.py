@@ -37,7 +37,8 @@ from easyvlm.models.padding_free import (
 )
 from easyvlm.models.segments import Segment, packed_segments
 
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 # trunk 40 | branches on its first 30 tokens: 9, 9 (one run), 4 | trunk 1 | trunk 130 | branch on its
 # first 100: 20 | trunk 5. Lengths 1 and > 128 (flex's block) included.
@@ -45,14 +46,6 @@ SHARED = [
     *range(40), *range(30, 39), *range(30, 39), *range(30, 34), 0, *range(130), *range(100, 120), *range(5)
 ]
 PLAIN = [*range(37), 0, *range(130), *range(64), *range(5)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def allow_flex_backward_on_cpu() -> None:

@@ -18,14 +18,7 @@ from easyvlm.models.padding_free import (
 )
 from easyvlm.models.segments import Segment, packed_segments
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on a shared 2-core machine: one thread avoids oversubscription (10x faster here)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def test_cu_seqlens_from_position_ids():

@@ -33,18 +33,10 @@ from easyvlm.models.ulysses import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on a shared 2-core machine: one thread avoids oversubscription
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 # ------------------------------------------------------------------------------------------------
 # Pure functions
-
 
 def test_ulysses_layout_by_hand():
     # 8 ranks in groups of 4: {0..3} is data-parallel rank 0, {4..7} rank 1

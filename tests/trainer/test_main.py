@@ -61,7 +61,7 @@ def test_a_bad_cpu_linear_switch_exits_2_before_the_plan(tiny_model_path, monkey
     with pytest.raises(SystemExit) as exit_:
         plan_run([f"worker.actor.model.model_path={tiny_model_path}"])
     assert exit_.value.code == 2
-    assert "EASYVLM_CPU_LINEAR='fast': use 'onednn'" in capsys.readouterr().err
+    assert "EASYVLM_CPU_LINEAR='fast': use 'auto'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("store", ["uri", "path"])

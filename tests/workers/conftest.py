@@ -1,15 +1,11 @@
-"""Worker tests: one torch thread (the gloo group ``process_group`` lives in tests/conftest.py)."""
+"""Worker tests: one torch thread (``one_torch_thread`` and the gloo group ``process_group`` live in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on a shared 2-core machine: one thread avoids oversubscription (10x faster here)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(threads)

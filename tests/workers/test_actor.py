@@ -63,12 +63,14 @@ def test_compute_logprobs_match_transformers(process_group, tiny_model_path, bat
 
 def every_linear_on_onednn(monkeypatch) -> None:
     """The tiny model's products are below easyvlm.models.cpu_linear.MIN_ONEDNN_MACS, so they take
-    F.linear; this sends every one of them through oneDNN (as the bench model's are)."""
-    from easyvlm.models.cpu_linear import onednn_linear_available
+    F.linear; this sends every one of them through oneDNN (as the bench model's are), unmeasured
+    (EASYVLM_CPU_LINEAR=onednn: the measured choice would keep F.linear for such small products)."""
+    from easyvlm.models.cpu_linear import ENV_SWITCH, onednn_linear_available
 
     if not onednn_linear_available():
         pytest.skip("oneDNN linears are for x86-64 CPUs with mkldnn")
     monkeypatch.setattr("easyvlm.models.cpu_linear.MIN_ONEDNN_MACS", 1)
+    monkeypatch.setenv(ENV_SWITCH, "onednn")
 
 
 def onednn_calls(fn) -> int:
