@@ -165,9 +165,10 @@ def matmul_peak(threads: int, size: int = 2048, repeats: int = 10, kernel: str =
     """Median fp32 matrix-product throughput (FLOP/s) of two size x size matrices on ``threads``:
     ``kernel="aten"``: ``torch.matmul`` (MKL's sgemm, AVX2 on non-Intel CPUs); ``"onednn"``: the
     oneDNN product easyvlm's CPU linears use (easyvlm.models.cpu_linear), in strict float32."""
-    from easyvlm.models.cpu_linear import onednn_linear
+    from easyvlm.models.cpu_linear import onednn_mm_t
 
-    product = torch.matmul if kernel == "aten" else lambda a, b: onednn_linear(a, b.t())  # 2048^3 >= its threshold
+    # oneDNN's kernel itself: easyvlm's linear would take the kernel measured faster for the shape
+    product = torch.matmul if kernel == "aten" else lambda a, b: onednn_mm_t(a, b.t())
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -67,7 +67,7 @@ def onednn_linear_available() -> bool:
     return linear_mode() != "aten" and platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
 
 
-def _mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def onednn_mm_t(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T (+ bias)`` for 2-D float32 CPU tensors, through oneDNN (strided operands are accepted)."""
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
@@ -78,7 +78,7 @@ class _OneDNNLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = _mm_t(x2, weight, bias)
+        y = onednn_mm_t(x2, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         # not a view of the 2-D product (as matmul's own result): FSDP2 warns about view outputs, whose
@@ -91,9 +91,9 @@ class _OneDNNLinearFunction(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.aten._unsafe_view(_mm_t(g2, weight.t()), x.shape)  # g W
+            grad_x = torch.ops.aten._unsafe_view(onednn_mm_t(g2, weight.t()), x.shape)  # g W
         if ctx.needs_input_grad[1]:
-            grad_w = _mm_t(g2.t(), x.reshape(-1, x.shape[-1]).t())  # g^T x
+            grad_w = onednn_mm_t(g2.t(), x.reshape(-1, x.shape[-1]).t())  # g^T x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b
