@@ -100,33 +100,46 @@ class _OneDNNLinearFunction(torch.autograd.Function):
 
 
 def time_kernels(shape: ShapeClass, rounds: int = 3) -> dict[str, float]:
-    """Seconds per call of each kernel on ``shape`` (forward, and backward where the class has one):
-    random float32 operands, one warm-up call each (oneDNN builds its primitive), then ``rounds``
-    calls alternated between the kernels; the fastest of each (on a shared machine noise only adds
-    time: a median of 3 still took one descheduled call's 80 ms for a 0.5 ms product)."""
+    """Seconds per call of each kernel on ``shape`` (the forward product, and for a training class the
+    two backward products as each path's autograd runs them): random float32 operands, one warm-up
+    call each (oneDNN builds its primitive), then ``rounds`` calls alternated between the kernels;
+    the fastest of each (on a shared machine noise only adds time: a median of 3 still took one
+    descheduled call's 80 ms for a 0.5 ms product).
+
+    No autograd: the first call of a class can come inside a model's forward under gradient
+    checkpointing, whose saved-tensor hooks would catch a nested backward here and recompute the
+    checkpointed layer (which asks the chooser again: a deadlock, seen in a critic's update)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(shape.rows, shape.in_features, generator=generator)
     weight = torch.randn(shape.out_features, shape.in_features, generator=generator) * shape.in_features**-0.5
     grad = torch.randn(shape.rows, shape.out_features, generator=generator)
-    x.requires_grad_(shape.backward)
-    weight.requires_grad_(shape.backward)
-    kernels = {"onednn": lambda: _OneDNNLinearFunction.apply(x, weight, None), "aten": lambda: F.linear(x, weight)}
+
+    def onednn() -> None:
+        onednn_mm_t(x, weight)  # y = x W^T
+        if shape.backward:  # _OneDNNLinearFunction.backward's two products
+            onednn_mm_t(grad, weight.t())  # g W
+            onednn_mm_t(grad.t(), x.t())  # g^T x
+
+    def aten() -> None:
+        F.linear(x, weight)
+        if shape.backward:  # F.linear's autograd: two matrix products
+            torch.mm(grad, weight)
+            torch.mm(grad.t(), x)
+
+    kernels = {"onednn": onednn, "aten": aten}
 
     def once(kernel) -> float:
-        x.grad = weight.grad = None
         start = time.perf_counter()
-        with torch.enable_grad() if shape.backward else torch.no_grad():
-            out = kernel()
-            if shape.backward:
-                out.backward(grad)
+        kernel()
         return time.perf_counter() - start
 
     samples: dict[str, list[float]] = {name: [] for name in KERNELS}
-    for name in KERNELS:
-        once(kernels[name])
-    for _ in range(rounds):
+    with torch.no_grad():
         for name in KERNELS:
-            samples[name].append(once(kernels[name]))
+            once(kernels[name])
+        for _ in range(rounds):
+            for name in KERNELS:
+                samples[name].append(once(kernels[name]))
     return {name: min(values) for name, values in samples.items()}
 
 

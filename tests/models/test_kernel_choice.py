@@ -187,3 +187,31 @@ def test_the_real_timer_times_both_kernels_on_the_class_shape(monkeypatch):
     seconds = cpu_linear.time_kernels(ShapeClass(64, 16, 8, True), rounds=3)
     assert set(seconds) == {"onednn", "aten"} and all(0 < s < 1 for s in seconds.values())
     assert seen == [(64, 16, 8)] * 4  # F.linear: one warm-up call and 3 timed rounds, on the class's shape
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="oneDNN linears are for x86-64 CPUs with mkldnn")
+def test_the_first_call_inside_a_checkpointed_layer_does_not_deadlock(monkeypatch):
+    # a critic's update under gradient checkpointing hung in CI: the real timer ran a backward inside
+    # the checkpointed forward, the checkpoint's saved-tensor hooks recomputed the layer, and the
+    # layer asked the chooser again while it held its lock. Now the timer runs no autograd.
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "auto")
+    monkeypatch.setattr(cpu_linear, "MIN_ONEDNN_MACS", 1)
+    chooser = KernelChooser(cpu_linear.time_kernels, "test cpu", None, log=lambda _: None)
+    monkeypatch.setattr(cpu_linear, "_choosers", {torch.get_num_threads(): chooser})
+    layer = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    cpu_linear.use_onednn_linears(layer)
+    x = torch.randn(40, 16, requires_grad=True)
+    done = []
+
+    def step():
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+        done.append(x.grad is not None)
+
+    worker = threading.Thread(target=step, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done == [True], "forward + backward through a checkpointed layer did not finish in 60 s"
