@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import easyvlm.models.cpu_linear as cpu_linear
+from easyvlm.models.kernel_choice import cpu_model_name
 
 # (label, M, K, N)
 SHAPES = [
@@ -43,13 +44,11 @@ SHAPES = [
 def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            lines = f.readlines()
-        flags = next(line for line in lines if line.startswith("flags")).split()
-        model = next(line for line in lines if line.startswith("model name")).split(":", 1)[1].strip()
+            flags = next(line for line in f if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return "unknown CPU"
     wide = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "avx512_vp2intersect"))
-    return f"{model}; {' '.join(wide)}"
+    return f"{cpu_model_name()}; {' '.join(wide)}"
 
 
 def time_fwd_bwd(linear, x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:

@@ -13,9 +13,10 @@ covers them. The first call of a class times both kernels on the call's own shap
 from :mod:`easyvlm.models.cpu_linear`), keeps the faster (oneDNN only if it is ``ONEDNN_MARGIN``
 faster: a near-tie keeps torch's default), and logs the class, the two timings and the
 choice once (a later run logs the kept choice once). Choices are kept for the process and in
-``$EASYVLM_CACHE/cpu-kernels/<machine>.json``, one file per machine key (CPU model name, torch version, threads, ISA limits set in the environment:
-``ONEDNN_MAX_CPU_ISA`` / ``MKL_ENABLE_INSTRUCTIONS`` change the answer), so a later run on the same
-machine times nothing and takes the same kernels: its numbers are reproducible.
+``$EASYVLM_CACHE/cpu-kernels/<machine>.json``, one file per machine key (CPU model name, torch
+version, threads, ISA limits set in the environment: ``ONEDNN_MAX_CPU_ISA`` /
+``MKL_ENABLE_INSTRUCTIONS`` change the answer), so a later run on the same machine times nothing and
+takes the same kernels: its numbers are reproducible.
 
 This module is the policy (classes, cache file, choice, log); it holds no kernel.
 """
