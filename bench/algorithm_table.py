@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_support import example_args
+from bench_support import cpu_description, example_args
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS: dict[str, list[str]] = {
@@ -53,13 +52,13 @@ def read_log(path: Path) -> dict[int, dict]:
     return rows
 
 
-def run(method: str, seed: int, steps: int, out: Path) -> Path:
+def run(method: str, seed: int, steps: int, out: Path, extra: list[str]) -> Path:
     run_dir = out / f"{SLUGS[method]}-s{seed}"
     log = run_dir / "experiment_log.jsonl"
     if steps in read_log(log):
         return log
     overrides = [*METHODS[method], *seed_overrides(seed), f"trainer.max_steps={steps}", "trainer.save_freq=-1",
-                 "trainer.logger=[file]", "trainer.rollout_log_freq=-1", f"trainer.save_checkpoint_path={run_dir}"]
+                 "trainer.logger=[file]", "trainer.rollout_log_freq=-1", f"trainer.save_checkpoint_path={run_dir}", *extra]
     started = time.monotonic()
     print(f"{method} seed {seed}: {' '.join(overrides[:len(METHODS[method]) + 3])}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -95,6 +94,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--methods", nargs="+", default=list(SLUGS.values()), choices=list(SLUGS.values()))
     parser.add_argument("--out", type=Path, default=Path("/tmp/easyvlm-algorithms"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable), e.g. worker.actor.global_batch_size=32 "
+                             "for the one-mini-batch demo of docs/algorithms.md's table")
     parser.add_argument("--table-only", action="store_true", help="print the table of the logs already under --out")
     args = parser.parse_args()
     methods = [m for m in METHODS if SLUGS[m] in args.methods]
@@ -102,8 +104,8 @@ def main() -> None:
     if not args.table_only:
         for seed in args.seeds:
             for method in methods:
-                run(method, seed, args.steps, args.out)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+                run(method, seed, args.steps, args.out, args.set)
+    print(f"CPU: {cpu_description()}, {os.cpu_count()} CPUs")
     print(table(args.out, args.seeds, methods))
 
 

@@ -5,6 +5,7 @@
 - ``model_params`` / ``essential_flops``: the FLOP count the efficiency figure divides by;
 - ``matmul_peak`` / ``machine_matmul_peak``: the machine's fp32 matmul throughput, measured (MKL's and oneDNN's);
 - ``TreeMemory``: peak resident memory of a process tree (the driver plus Ray's processes);
+- ``cpu_description``: the CPU every figure is measured on (model, family/model, vector ISA, caps);
 - ``example_args`` / ``bench_plan``: the run plan of the demo config with a benchmark's settings,
   built as ``easyvlm.trainer.main`` builds it, so workers and engines get the trainer's specs.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import shutil
 import statistics
 import time
@@ -117,6 +119,32 @@ class ModelParams:
     embedding table (a lookup), lm_head included."""
     vision: int
     """The vision tower (patch embedding, blocks, merger): runs once per image patch."""
+
+
+def cpu_description(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
+    """The CPU a figure was measured on: model name, family and model numbers (which tell a Zen 3 from
+    a Zen 4 when the name is just "AMD EPYC"), the widest vector ISA and the flags that matter for
+    float32 products, and any ISA cap set in the environment (speeds differ 2-4x between machines)."""
+    from easyvlm.models.kernel_choice import ISA_VARIABLES
+
+    fields: dict[str, str] = {}
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    extras = sorted(flags & {"avx512_bf16", "avx512_vp2intersect", "amx_tile"})
+    caps = [f"{name}={os.environ[name]}" for name in ISA_VARIABLES if os.environ.get(name)]
+    parts = [
+        fields.get("model name") or platform.processor() or platform.machine(),
+        f"family {fields['cpu family']} model {fields['model']}" if "cpu family" in fields else "",
+        isa + (f" ({', '.join(extras)})" if extras else ""),
+        f"capped by {' '.join(caps)}" if caps else "",
+    ]
+    return "; ".join(part for part in parts if part)
 
 
 def model_params(model_dir: str) -> ModelParams:

@@ -19,13 +19,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import easyvlm.models.cpu_linear as cpu_linear
-from easyvlm.models.kernel_choice import cpu_model_name
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_support import cpu_description  # noqa: E402
 
 # (label, M, K, N)
 SHAPES = [
@@ -39,16 +44,6 @@ SHAPES = [
     ("demo q_proj, 256 rows", 256, 64, 64),
     ("square 2048", 2048, 2048, 2048),
 ]
-
-
-def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown CPU"
-    wide = sorted(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "avx512_vp2intersect"))
-    return f"{cpu_model_name()}; {' '.join(wide)}"
 
 
 def time_fwd_bwd(linear, x: torch.Tensor, weight: torch.Tensor, repeats: int) -> float:
@@ -78,7 +73,7 @@ def main() -> None:
     cpu_linear.MIN_ONEDNN_MACS = 1  # every shape through oneDNN, to compare:
     os.environ[cpu_linear.ENV_SWITCH] = "onednn"  # not easyvlm's measured choice (which may be F.linear)
     blas = next((line.strip() for line in torch.__config__.show().splitlines() if "Math Kernel Library" in line), "BLAS: see torch.__config__.show()")
-    print(f"CPU: {cpu_flags()}\ntorch {torch.__version__}, {args.threads} threads; {blas}\n")
+    print(f"CPU: {cpu_description()}\ntorch {torch.__version__}, {args.threads} threads; {blas}\n")
     print(f"{'shape':<46} {'M x K x N':>18} {'F.linear GFLOP/s':>17} {'oneDNN GFLOP/s':>15} {'speed-up':>9}")
     rows = []
     for label, m, k, n in SHAPES:
@@ -96,7 +91,7 @@ def main() -> None:
         print(f"{label:<46} {f'{m} x {k} x {n}':>18} {row['aten_gflops']:17.0f} {row['onednn_gflops']:15.0f} {row['speedup']:8.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_flags(), "torch": torch.__version__, "threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

