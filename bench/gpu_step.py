@@ -318,18 +318,27 @@ class Clock:
         return call
 
 
+def without_original_images(prompts: Any) -> Any:
+    """The prompt batch as the trainer sends it to the workers (the loader's original images stay behind)."""
+    from easyvlm.data.batch import ORIGINAL_IMAGES_KEY
+
+    if ORIGINAL_IMAGES_KEY not in prompts:
+        return prompts
+    prompts = prompts.copy()
+    prompts.pop(ORIGINAL_IMAGES_KEY)
+    return prompts
+
+
 def run_step(worker: Any, plan: Any, prompts: Any, clock: Clock, seed: int) -> tuple[Any, Work]:
     """One GRPO step of the trainer's phases on ``worker``; returns the update batch and the step's work."""
     import torch
 
     from easyvlm.algorithms import AdvantageInputs, get_advantage
-    from easyvlm.data.batch import MODEL_INPUT_KEYS, ORIGINAL_IMAGES_KEY, UPDATE_INPUT_KEYS
+    from easyvlm.data.batch import MODEL_INPUT_KEYS, UPDATE_INPUT_KEYS
     from easyvlm.trainer import core
     from easyvlm.workers.actor import update_is_on_policy
 
-    if ORIGINAL_IMAGES_KEY in prompts:
-        prompts = prompts.copy()
-        prompts.pop(ORIGINAL_IMAGES_KEY)
+    prompts = without_original_images(prompts)
     with clock.phase("generation"):
         batch = worker.generate(prompts)
     clock.seconds["generation"] -= clock.seconds.get("weight_sync", 0.0)  # timed inside generate
@@ -355,21 +364,28 @@ def run_step(worker: Any, plan: Any, prompts: Any, clock: Clock, seed: int) -> t
     return update, count_work(batch)
 
 
-def profile_update(worker: Any, update: Any, cuda: bool, rows: int = 20) -> tuple[str, list]:
-    """One more update of ``update`` under torch.profiler: its operator table (by self device time on
-    GPUs, CPU time on the CPU) and the top ``rows`` as [name, self ms]."""
+def profile_call(fn: Callable, cuda: bool, rows: int = 20) -> tuple[str, list, dict]:
+    """``fn()`` under torch.profiler: its operator table (by self device time on GPUs, CPU time on the
+    CPU), the top ``rows`` as [name, self ms], and {wall_s, device_busy_s}: the call's seconds and the
+    sum of its kernels' (on GPUs; their ratio says whether the chip or the host sets the pace)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        worker.update_actor(update)
+        start = time.perf_counter()
+        fn()
         if cuda:
             torch.cuda.synchronize()
+        wall = time.perf_counter() - start
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
-    return events.table(sort_by=key, row_limit=rows), [[e.key, round(getattr(e, key) / 1e3, 3)] for e in top]
+    # the kernels' own events (an operator's row repeats its kernels' time: counting both doubles it)
+    busy = sum(e.self_device_time_total for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation) / 1e6 if cuda else None
+    return (events.table(sort_by=key, row_limit=rows), [[e.key, round(getattr(e, key) / 1e3, 3)] for e in top],
+            {"wall_s": wall, "device_busy_s": busy})
 
 
 # ----------------------------------------------------------------------------------- the report
@@ -425,6 +441,22 @@ def print_table(summary: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(parser)
+    parser.add_argument("--steps", type=int, default=2, help="steps; the first is a warm-up when there are more")
+    parser.add_argument("--rollout", choices=["auto", "hf", "vllm"], default="auto",
+                        help="auto: vllm where it is installed (not with --tiny), else hf")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's peak (default: by device name)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra phases")
+    parser.add_argument("--profile", nargs="+", choices=["update", "generation", "ref_logprobs"], default=None,
+                        help="the phases run once more under torch.profiler (default: update)")
+    parser.add_argument("--work-dir", default=None, help="where the model and prompts go (default: a temporary "
+                        "directory, removed at the end)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run's config")
+    return with_workload_defaults(parser.parse_args(argv))
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The model and batch arguments (this script's and bench/hf_generate.py's)."""
     parser.add_argument("--tiny", action="store_true", help="the builtin tiny model's shapes on the CPU in fp32")
     parser.add_argument("--shape", choices=[s for s in shapes() if s != "tiny"], default="qwen2.5-vl-3b")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (16; --tiny 2)")
@@ -432,15 +464,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=None, help="tokens per response (256; --tiny 8)")
     parser.add_argument("--image-size", type=int, default=None, help="square image side, pixels (448; --tiny 56)")
     parser.add_argument("--question-tokens", type=int, default=None, help="question bytes = tokens (64; --tiny 16)")
-    parser.add_argument("--steps", type=int, default=2, help="steps; the first is a warm-up when there are more")
-    parser.add_argument("--rollout", choices=["auto", "hf", "vllm"], default="auto",
-                        help="auto: vllm where it is installed (not with --tiny), else hf")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="the chip's peak (default: by device name)")
-    parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra update")
-    parser.add_argument("--work-dir", default=None, help="where the model and prompts go (default: a temporary "
-                        "directory, removed at the end)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run's config")
-    args = parser.parse_args(argv)
+
+
+def with_workload_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the batch's unset sizes filled (the GPU's or, with --tiny, the CPU's)."""
     defaults = (2, 2, 8, 56, 16) if args.tiny else (16, 8, 256, 448, 64)
     for name, value in zip(("prompts", "n", "response_length", "image_size", "question_tokens"), defaults):
         if getattr(args, name) is None:
@@ -478,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts = write_prompts(work_dir, args.prompts * args.steps, args.image_size, args.question_tokens)
         rollout = args.rollout if args.rollout != "auto" else "vllm" if cuda and _installed("vllm") else "hf"
         plan = bench_plan(plan_args(args, model_dir, prompts, work_dir, rollout),
-                          total_steps=args.steps + (not args.no_profile))
+                          total_steps=args.steps + (not args.no_profile) * len(args.profile or ['update']))
         summary = run(args, plan, plan_dataloaders(plan)[0], params, cuda)
         summary.update(shape=args.shape, rollout=rollout, attn_implementation=plan.actor.model.attn_implementation,
                        prompts=args.prompts, n=args.n, response_length=args.response_length, image_size=args.image_size,
@@ -507,22 +534,32 @@ def run(args: argparse.Namespace, plan: Any, loader: Any, params: Any, cuda: boo
     peak_flops, peak_source = chip_peak("cuda" if cuda else "cpu", args.peak_tflops)
     print(f"workers built in {worker_s:.1f} s; peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source})", flush=True)
     clock = Clock(cuda)
-    # the weight sync happens inside generate: timed there, subtracted from the generation
-    worker.actor.state_dict_for_sync = clock.timed("weight_sync", worker.actor.state_dict_for_sync)
+    # the weight sync happens inside generate (the engine gathers the actor's weights as it loads
+    # them): timed there, subtracted from the generation
     worker.rollout.update_weights = clock.timed("weight_sync", worker.rollout.update_weights)
     batches, steps = iter(loader), []
     for step in range(args.steps):
         clock.seconds, clock.memory = {}, {}
-        update, work = run_step(worker, plan, next(batches), clock, seed=step)
+        last_prompts = next(batches)
+        update, work = run_step(worker, plan, last_prompts, clock, seed=step)
         steps.append((dict(clock.seconds), dict(clock.memory), work))
         print(f"step {step + 1}: " + ", ".join(f"{p} {s:.2f} s" for p, s in clock.seconds.items()), flush=True)
     timed = steps[1:] if len(steps) > 1 else steps
     summary = summarize(timed, params, plan, peak_flops)
     print_table(summary)
-    summary["profile_top"] = None
+    summary["profile_top"], summary["profiles"] = None, {}
     if not args.no_profile:
-        table, summary["profile_top"] = profile_update(worker, update, cuda)
-        print(f"\nthe operators of one more update (self {'device' if cuda else 'CPU'} time):\n{table}", flush=True)
+        calls = {"update": lambda: worker.update_actor(update),
+                 "generation": lambda: worker.generate(without_original_images(last_prompts)),
+                 "ref_logprobs": lambda: worker.compute_ref_logprobs(update) if plan.ref is not None else None}
+        # the generation first: after the update it includes the weight sync, as in a step
+        for phase in [p for p in ("generation", "ref_logprobs", "update") if p in (args.profile or ["update"])]:
+            table, top, times = profile_call(calls[phase], cuda)
+            summary["profiles"][phase] = dict(top=top, **times)
+            busy = f", kernels {times['device_busy_s']:.2f} s" if cuda else ""
+            print(f"\nthe operators of one more {phase} ({times['wall_s']:.2f} s{busy}; self "
+                  f"{'device' if cuda else 'CPU'} time):\n{table}", flush=True)
+        summary["profile_top"] = summary["profiles"].get("update", {}).get("top")
     summary.update(timed_steps=len(timed), peak_flops=peak_flops, peak_source=peak_source, worker_build_s=round(worker_s, 2),
                    device=torch.cuda.get_device_name() if cuda else "cpu", peak_rss_gib=peak_rss_bytes() / GiB)
     return summary

@@ -78,6 +78,10 @@ class RolloutEngine(ABC):
     Subclasses implement ``_sample`` (and ``update_weights``; ``sleep``/``wake_up`` on GPUs).
     """
 
+    weight_sync_device: str = "cpu"
+    """Where ``update_weights`` takes its tensors from the hybrid worker's actor (in-process): an
+    engine on a GPU that copies them into place takes them on its device, with no host round trip."""
+
     def __init__(
         self,
         sampling: Sampling,

@@ -87,6 +87,10 @@ class HFRolloutEngine(RolloutEngine):
         # Neutral defaults: generate() fills every unset field from model.generation_config.
         self.model.generation_config = GenerationConfig()
         self.micro_batch_size = micro_batch_size
+        self.weight_sync_device = device
+        self._weights = unique_weights(self.model)  # what sleep() parks in host memory
+        self._host_copies: list[Tensor] = []
+        self._parked = False  # the weights wait in host memory (sleep)
         generator = torch.Generator().manual_seed(seed)
         self._rng_state = generator.get_state()
 
@@ -165,24 +169,75 @@ class HFRolloutEngine(RolloutEngine):
         return responses, logprobs
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy the given tensors into the model; names must be keys of ``model.state_dict()``.
+        """Copy the given tensors into the model, one at a time as they arrive (the hybrid worker
+        gathers each from the actor's shards on this engine's device: ``weight_sync_device``); names
+        must be keys of ``model.state_dict()``.
 
-        A subset is fine (e.g. only trained parameters); an unknown name is an error, so that a
-        naming mismatch cannot leave the old weights in place silently.
+        A subset is fine (e.g. only trained parameters); an unknown name or a shape that differs is an
+        error (raised after the known ones are copied: the iterator is a collective every rank
+        consumes whole), so that a naming mismatch cannot leave the old weights in place silently.
         """
-        state = dict(named_tensors)
-        result = self.model.load_state_dict(state, strict=False)
-        if result.unexpected_keys:
+        targets = self.model.state_dict()  # views of the parameters: copy_ writes the weights
+        unknown, misshapen = [], []
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                if target is None:
+                    unknown.append(name)
+                elif target.shape != tensor.shape:
+                    misshapen.append(f"{name}: {tuple(tensor.shape)}, the model's {tuple(target.shape)}")
+                else:
+                    target.copy_(tensor)  # casts to the engine's dtype on the way
+        if unknown:
             raise KeyError(
-                f"update_weights: {len(result.unexpected_keys)} names are not parameters of the rollout model, e.g. "
-                f"{result.unexpected_keys[:3]}; send the names of the transformers model's in-memory state_dict()"
+                f"update_weights: {len(unknown)} names are not parameters of the rollout model, e.g. "
+                f"{unknown[:3]}; send the names of the transformers model's in-memory state_dict()"
             )
+        if misshapen:
+            raise ValueError(f"update_weights: {len(misshapen)} tensors do not fit the rollout model: {misshapen[:3]}")
 
     def sleep(self) -> None:
-        if self.device != "cpu":
-            self.model.to("cpu")
+        """GPU: the weights wait in pinned host memory (vLLM's sleep level 1 does the same), so the
+        actor's passes have the GPU; the next ``wake_up`` copies them back (~25 GB/s, where a pageable
+        ``model.to("cpu")`` round trip of a 3B model took seconds)."""
+        if self.device != "cpu" and not self._parked:
+            park_in_host_memory(self._weights, self._host_copies)
+            self._parked = True
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        if self.device != "cpu":
-            self.model.to(self.device)
+        if self._parked:
+            restore_from_host_memory(self._weights, self.device)
+            self._parked = False
+
+
+def unique_weights(model: torch.nn.Module) -> list[Tensor]:
+    """The model's parameters and buffers, each once (tied weights are one tensor)."""
+    seen: dict[int, Tensor] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def park_in_host_memory(weights: list[Tensor], host_copies: list[Tensor]) -> None:
+    """Move each tensor's data into its host copy (allocated on the first call, pinned where CUDA is
+    available, then reused), keeping the tensor objects: the modules keep pointing at them, and
+    :func:`restore_from_host_memory` gives them device storage again."""
+    pin = torch.cuda.is_available()
+    if not host_copies:
+        host_copies.extend(torch.empty(w.shape, dtype=w.dtype, pin_memory=pin) for w in weights)
+    for weight, host in zip(weights, host_copies):
+        host.copy_(weight.data, non_blocking=pin)
+    if pin:
+        torch.cuda.synchronize()  # the copies must land before the device storage is freed
+    for weight, host in zip(weights, host_copies):
+        weight.data = host
+
+
+def restore_from_host_memory(weights: list[Tensor], device: str | torch.device) -> None:
+    """Give each parked tensor device storage again, copied from its host copy (which stays, for the
+    next park)."""
+    for weight in weights:
+        weight.data = weight.data.to(device, non_blocking=True, copy=True)  # never aliasing the host copy
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from easyvlm.specs import ActorSpec, ModelBundle, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, policy_logprobs_for_batch, policy_token_outputs
 from easyvlm.workers.vision_dummy import dummy_image_for
-from easyvlm.workers.fsdp import gather_full_state_dict
+from easyvlm.workers.fsdp import gather_full_state_dict, iter_full_state_dict
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget
 from easyvlm.workers.update import MicroLoss, TrainedModel
@@ -217,6 +217,13 @@ class ActorWorker:
         Collective. Feed to vLLM's ``reload_weights`` (see STACK.md)."""
         self.trained.ensure_loaded()
         return gather_full_state_dict(self.model)
+
+    def iter_weights_for_sync(self, device: torch.device | str) -> Iterator[tuple[str, Tensor]]:
+        """:meth:`state_dict_for_sync` a tensor at a time on ``device`` (the hybrid worker's engine, in
+        this process: on a GPU each full tensor goes straight from the actor's shards into the engine's
+        weights, instead of a host round trip of the whole model). Collective: consume it whole."""
+        self.trained.ensure_loaded()
+        return iter_full_state_dict(self.model, device)
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Model + optimizer (sharded, torch.distributed.checkpoint), scheduler and RNG per rank. Collective."""

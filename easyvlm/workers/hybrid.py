@@ -45,7 +45,8 @@ class HybridWorker:
         assert self.rollout is not None, "generate: the rollout engines are a separate group (worker.rollout.placement)"
         if self._synced_version != self._policy_version:
             self.rollout.wake_up(["weights"])
-            self.rollout.update_weights(self.actor.state_dict_for_sync().items())
+            # a tensor at a time, on the device the engine takes them on (its own GPU: no host round trip)
+            self.rollout.update_weights(self.actor.iter_weights_for_sync(self.rollout.weight_sync_device))
             self._synced_version = self._policy_version
         self.actor.offload()  # idle until the next log-prob pass (GPU memory for the KV cache)
         if self.ref is not None:

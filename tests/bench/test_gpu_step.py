@@ -158,8 +158,9 @@ def test_the_gpu_runs_plan_has_the_recipes_settings(shape, tiny_model_path, tmp_
 @pytest.mark.slow
 def test_tiny_run_ends_with_one_json_line_of_finite_positive_figures():
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step.py"), "--tiny", "--steps", "1"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step.py"), "--tiny", "--steps", "1",
+                          "--profile", "update", "generation"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     summary = json.loads(lines[-1])
@@ -170,6 +171,10 @@ def test_tiny_run_ends_with_one_json_line_of_finite_positive_figures():
         assert isinstance(summary[key], float) and math.isfinite(summary[key]) and summary[key] > 0, (key, summary[key])
     assert summary["peak_gpu_memory_gib"] is None and summary["phase_peak_gpu_memory_gib"] is None  # the CPU
     assert "aten::" in out.stdout and summary["profile_top"]  # the profiled update's operator table
+    # the phases asked for, each profiled once (generation first: after the update it syncs the weights)
+    assert list(summary["profiles"]) == ["generation", "update"]
+    assert summary["profiles"]["update"]["top"] == summary["profile_top"]
+    assert all(p["wall_s"] > 0 and p["device_busy_s"] is None for p in summary["profiles"].values())  # no kernels
     # the work: 2 prompts x 2 samples, every response the full 8 tokens (the model cannot sample EOS);
     # each prompt's 56 x 56 image is 4 x 4 patches of 14 pixels
     work, n = summary["work"], 2
@@ -185,3 +190,21 @@ def test_tiny_run_ends_with_one_json_line_of_finite_positive_figures():
     flops = 6 * (params["decoder"] * (work["group_prompt_tokens"] + 32) + params["vision"] * work["group_patches"])
     assert summary["update_mfu"] == pytest.approx(flops / summary["update_s"] / summary["peak_flops"], rel=1e-3)
     assert summary["ref_mfu"] == pytest.approx(flops / 3 / summary["ref_logprobs_s"] / summary["peak_flops"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_hf_generate_tiny_compares_the_engine_with_bare_generate():
+    # bench/hf_generate.py on the CPU: both sides generate every row to the full length (EOS-free
+    # model), and the ratio is the medians' (bare seconds over the engine's)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "hf_generate.py"), "--tiny", "--repeats", "2"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    # 2 prompts x 2 samples x 8 tokens on each side
+    assert (summary["rows"], summary["response_length"], summary["engine_tokens"], summary["bare_tokens"]) == (4, 8, 32, 32)
+    assert [len(v) for v in summary["seconds"].values()] == [2, 2]
+    for side in ("engine", "bare"):
+        assert summary[f"{side}_s"] == pytest.approx(sum(summary["seconds"][side]) / 2, rel=1e-9)  # median of 2
+        assert summary[f"{side}_tokens_per_s"] == pytest.approx(32 / summary[f"{side}_s"], rel=1e-9)
+    assert summary["engine_vs_bare"] == pytest.approx(summary["bare_s"] / summary["engine_s"], rel=1e-9)

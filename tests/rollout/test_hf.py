@@ -169,3 +169,51 @@ def test_update_weights(engine, model, prompts, tiny_model_path):
     expected = recompute_logprobs(perturbed, out, 1.0, engine.blocked_token_ids)
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
     engine.update_weights(model.state_dict().items())  # restore for other tests
+
+
+def test_update_weights_streams_and_refuses_what_does_not_fit(engine, model, prompts):
+    # a generator (the hybrid worker's stream) of a subset: copied as it arrives; a name the model
+    # lacks or a shape that differs is refused (a smaller shape would otherwise broadcast silently)
+    name = "model.language_model.norm.weight"
+    before = engine.model.state_dict()[name].clone()
+    engine.update_weights((k, v) for k, v in [(name, torch.full_like(before, 2.0))])
+    assert torch.equal(engine.model.state_dict()[name], torch.full_like(before, 2.0))
+    with pytest.raises(ValueError, match=r"norm.weight: \(1,\), the model's \(128,\)"):
+        engine.update_weights([(name, torch.zeros(1))])
+    with pytest.raises(KeyError, match="not parameters of the rollout model"):  # the known one still copied
+        engine.update_weights([(name, before), ("model.language_model.bogus.weight", torch.zeros(1))])
+    assert torch.equal(engine.model.state_dict()[name], before)
+    engine.update_weights(model.state_dict().items())  # restore for other tests
+
+
+def test_parking_in_host_memory_keeps_the_weights_and_their_ties():
+    # sleep()'s mechanics (run on a GPU engine; here CPU to CPU): the tensors keep their identity (the
+    # modules point at them), their data moves into the host copies, and back into fresh storage
+    # with the same values; tied weights are parked once; a second park reuses the copies
+    from easyvlm.rollout.hf import park_in_host_memory, restore_from_host_memory, unique_weights
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5))
+    model[1].weight = model[0].weight  # tied, as an LM's embeddings and head: (5, 3)
+    weights = unique_weights(model)
+    # embedding (= the head's weight), head bias, norm weight and bias; norm running mean, var, count
+    assert len(weights) == 1 + 1 + 2 + 3
+    before = [w.detach().clone() for w in weights]
+    x = torch.tensor([1, 4])
+    model.eval()
+    expected = model(x)
+    copies = []
+    park_in_host_memory(weights, copies)
+    assert [w.data_ptr() for w in weights] == [c.data_ptr() for c in copies]
+    first = [c.data_ptr() for c in copies]
+    restore_from_host_memory(weights, "cpu")
+    assert all(w.data_ptr() != c.data_ptr() for w, c in zip(weights, copies))
+    assert all(torch.equal(w, b) for w, b in zip(weights, before))
+    assert model[1].weight is model[0].weight and isinstance(model[1].weight, torch.nn.Parameter)
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # trained while awake: the next park carries the new values
+    park_in_host_memory(weights, copies)
+    assert [c.data_ptr() for c in copies] == first
+    restore_from_host_memory(weights, "cpu")
+    assert torch.equal(model[1].weight, before[0] + 1.0)

@@ -326,6 +326,21 @@ def test_lora_actor_syncs_merged_weights(process_group, tiny_model_path, batch, 
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(state[name], expected[name])
     assert torch.equal(state["model.language_model.norm.weight"], expected["model.language_model.norm.weight"])
+    # the hybrid worker's stream (a tensor at a time) is the same merged state, in the same order
+    streamed = list(actor.iter_weights_for_sync("cpu"))
+    assert [k for k, _ in streamed] == list(state)
+    assert all(torch.equal(value, state[k]) for k, value in streamed)
+
+
+def test_streamed_sync_is_the_gathered_state_dict(process_group, tiny_model_path, batch):
+    # after an update (weights no longer the checkpoint's): names, order and values of the stream
+    # equal state_dict_for_sync's, and the stream yields tensors on the device asked for
+    actor = make_actor(tiny_model_path, lr=1e-2)
+    actor.update_policy(with_training_keys(batch, actor.compute_logprobs(batch)["old_logprobs"]))
+    state = actor.state_dict_for_sync()
+    streamed = list(actor.iter_weights_for_sync("cpu"))
+    assert [k for k, _ in streamed] == list(state)
+    assert all(torch.equal(value, state[k]) and value.device.type == "cpu" for k, value in streamed)
 
 
 @pytest.mark.slow
