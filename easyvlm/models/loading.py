@@ -30,6 +30,7 @@ from torch import nn
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
+from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
 from easyvlm.specs import LoraSpec, ModelSpec
 
@@ -129,8 +130,8 @@ def load_model(
     """Build the model of ``spec`` on the CPU (or, with ``on_meta``, on the meta device).
 
     Applies, in order: attn_implementation (+ varlen attention for the text decoder when
-    ``padding_free``), dtype, LoRA (``spec.lora``, policy only), freeze_vision_tower, gradient
-    checkpointing (only when ``trainable``). A frozen reference model passes ``trainable=False``:
+    ``padding_free``), dtype, the vision tower's batched windows (SDPA towers), LoRA (``spec.lora``,
+    policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen reference model passes ``trainable=False``:
     all parameters get ``requires_grad=False``.
 
     ``on_meta``: the same modules, parameters and buffers, on the meta device, built from
@@ -182,6 +183,8 @@ def load_model(
             model = ValueHeadModel(backbone, text.hidden_size, text.initializer_range)
         model.to(dtype)
 
+    if vision_language:  # the tower's windows in a few SDPA calls, not one per window (vision_attention.py)
+        batch_vision_windows(model)
     if spec.lora is not None:
         model = apply_lora(model, spec.lora)
 

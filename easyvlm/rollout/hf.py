@@ -21,6 +21,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.position_ids import to_model_layout
+from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.rollout.base import RolloutEngine, is_greedy, mix_seeds
 from easyvlm.specs import Sampling
 
@@ -31,8 +32,11 @@ def load_generation_model(
     model_path: str, hf_config: Any, dtype: torch.dtype, device: str, trust_remote_code: bool = False
 ) -> torch.nn.Module:
     """The model for generation: an image-text-to-text class when transformers maps one, else causal LM."""
-    auto = AutoModelForImageTextToText if is_vision_language_config(hf_config) else AutoModelForCausalLM
+    vision_language = is_vision_language_config(hf_config)
+    auto = AutoModelForImageTextToText if vision_language else AutoModelForCausalLM
     model = auto.from_pretrained(model_path, config=hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if vision_language:  # the prompts' images through the tower in a few SDPA calls, as the actor's
+        batch_vision_windows(model)
     return model.to(device).eval()
 
 
