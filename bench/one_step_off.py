@@ -1,6 +1,6 @@
 """Step time of the demo config: synchronous (colocated engine) vs one-step-off (separate engine).
 
-    PYTHONPATH=. python bench/one_step_off.py [--steps 40] [--repeats 3] [--threads 1]
+    PYTHONPATH=. python bench/one_step_off.py [--steps 40] [--repeats 3] [--threads 1] [--set KEY=VALUE ...]
 
 Each repetition runs ``python -m easyvlm.trainer.main config=examples/config.yaml`` for --steps
 steps (no validation, no checkpoints) in each mode, alternating the modes so that a noisy spell of
@@ -37,11 +37,11 @@ MODES = {
 SKIP = 5
 
 
-def run(mode: str, steps: int, threads: int) -> dict[str, float]:
+def run(mode: str, steps: int, threads: int, overrides: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"easyvlm-bench-{mode}-") as out:
         args = example_args(*MODES[mode], f"trainer.max_steps={steps}", "trainer.val_freq=-1",
                             "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.logger=[file]",
-                            "trainer.rollout_log_freq=-1", f"trainer.save_checkpoint_path={out}")
+                            "trainer.rollout_log_freq=-1", f"trainer.save_checkpoint_path={out}", *overrides)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
         subprocess.run([sys.executable, "-m", "easyvlm.trainer.main", *args], check=True, env=env, cwd=REPO,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -62,12 +62,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (repeatable); docs/benchmarks.md's 2026-11-26 figures ran "
+                             "the demo config of that day: worker.actor.global_batch_size=32 "
+                             "worker.actor.optim.lr=3e-4 worker.actor.optim.lr_scheduler_type=constant")
     opts = parser.parse_args()
     modes = opts.modes.split(",")
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for repeat in range(opts.repeats):
         for mode in modes:
-            results[mode].append(run(mode, opts.steps, opts.threads))
+            results[mode].append(run(mode, opts.steps, opts.threads, opts.set))
             print(f"repeat {repeat + 1} {mode}: {results[mode][-1]}", flush=True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; steps {opts.steps} "
           f"(median over steps {SKIP + 1}-{opts.steps}), repeats {opts.repeats}, OMP_NUM_THREADS={opts.threads}")
