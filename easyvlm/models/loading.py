@@ -30,8 +30,8 @@ from torch import nn
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
-from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
+from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.specs import LoraSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -131,8 +131,8 @@ def load_model(
 
     Applies, in order: attn_implementation (+ varlen attention for the text decoder when
     ``padding_free``), dtype, the vision tower's batched windows (SDPA towers), LoRA (``spec.lora``,
-    policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen reference model passes ``trainable=False``:
-    all parameters get ``requires_grad=False``.
+    policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen
+    reference model passes ``trainable=False``: all parameters get ``requires_grad=False``.
 
     ``on_meta``: the same modules, parameters and buffers, on the meta device, built from
     ``spec.hf_config`` without reading ``spec.model_dir`` (FSDP rank-0 init: the other ranks

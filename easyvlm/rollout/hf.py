@@ -202,8 +202,10 @@ class HFRolloutEngine(RolloutEngine):
 
     def sleep(self) -> None:
         """GPU: the weights wait in pinned host memory (vLLM's sleep level 1 does the same), so the
-        actor's passes have the GPU; the next ``wake_up`` copies them back (~25 GB/s, where a pageable
-        ``model.to("cpu")`` round trip of a 3B model took seconds)."""
+        actor's passes have the GPU; the next ``wake_up`` copies them back. On an H200 with Qwen2.5-VL-3B's
+        shapes the step's generation phase (wake, generate, sleep) took 11.6 s against 10.6 s for the
+        engine's generate alone (128 x 256 tokens); with the pageable ``model.to("cpu")`` round trip
+        before, 11.2 s against 3.0 s (32 x 64 tokens)."""
         if self.device != "cpu" and not self._parked:
             park_in_host_memory(self._weights, self._host_copies)
             self._parked = True
