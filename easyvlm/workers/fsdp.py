@@ -231,24 +231,26 @@ def gather_full_state_dict(model: nn.Module, device: torch.device | str = "cpu")
     the base model's names. Collective: every rank must call it. Tensors are moved to ``device``
     one at a time, so the GPU never holds more than one gathered tensor.
     """
-    state = dict(iter_full_state_dict(model, device, merge_lora=False))
+    state = dict(_full_tensors(model, device))
     lora = _lora_scaling(model)
     if lora is not None:
         state = merge_lora_state_dict(state, lora)
     return state
 
 
-def iter_full_state_dict(
-    model: nn.Module, device: torch.device | str = "cpu", merge_lora: bool = True
-) -> Iterator[tuple[str, Tensor]]:
+def iter_full_state_dict(model: nn.Module, device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
     """:func:`gather_full_state_dict` one tensor at a time: (name, full tensor on ``device``), so that a
     consumer on the same device (the hybrid worker's engine) copies each into place before the next is
-    gathered, with no host round trip. A LoRA model cannot be merged a tensor at a time: with
-    ``merge_lora`` it yields the merged dict's items (gathered first). Collective: every rank must
-    consume the whole iterator, in order."""
-    if merge_lora and _lora_scaling(model) is not None:
+    gathered, with no host round trip. A LoRA model cannot be merged a tensor at a time: it yields the
+    merged dict's items (gathered first). Collective: every rank must consume the whole iterator, in order."""
+    if _lora_scaling(model) is not None:
         yield from gather_full_state_dict(model, device).items()
-        return
+    else:
+        yield from _full_tensors(model, device)
+
+
+def _full_tensors(model: nn.Module, device: torch.device | str) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor on ``device``) of ``model.state_dict()``, gathered one at a time."""
     for name, value in model.state_dict().items():
         yield name, full_tensor(value).detach().to(device)
 
