@@ -70,6 +70,8 @@ def easyvlm_overrides(model_dir: str, prompts: int, n: int, max_response: int, s
         "data.shuffle=false",
         f"worker.rollout.n={n}",
         f"worker.rollout.max_num_seqs={prompts * n}",
+        # vLLM's default (and EasyR1's): its model compiled; the demo config keeps eager mode for its quick start
+        "worker.rollout.enforce_eager=false",
         f"worker.actor.global_batch_size={prompts}",  # one mini-batch: on-policy, old log-probs skipped
         f"worker.actor.micro_batch_size_per_device_for_update={micro}",
         f"worker.actor.micro_batch_size_per_device_for_experience={micro}",

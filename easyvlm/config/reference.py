@@ -73,7 +73,8 @@ _BEHAVIOUR = """Behaviour that differs with the same keys:
   together (EasyR1: one or the other). mRoPE positions after a Qwen2/2.5-VL video follow Qwen's
   reference code and vLLM (largest position + 1), not transformers 5.19's `get_rope_index`.
 - On the CPU, models run in float32 whatever `worker.rollout.dtype` and `fsdp.mp_*` say, offloading
-  does nothing and vLLM runs eagerly with one rank (a notice at start says so).
+  does nothing and vLLM runs with one rank (a notice at start says so); `worker.rollout.enforce_eager`
+  acts there as on GPUs (false: vLLM compiles its model).
 - `experiment_log.jsonl` holds flat `key: value` rows (EasyR1 nests them); `generations.log` marks
   each validation's samples with a `[step] N` line.
 - `timing_s/reward` is the wait for the asynchronous reward after the log-prob passes.

@@ -396,7 +396,8 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating after EOS up to `data.max_response_length`."""
     enforce_eager: bool = False
-    """Disable CUDA graphs in vLLM (slower, less memory). vLLM on the CPU needs true."""
+    """vLLM without torch.compile and CUDA graphs (slower, less memory, quicker start). On the CPU, false compiles
+    the model too (no CUDA graphs there): a longer start for faster generation."""
     enable_chunked_prefill: bool = False
     """vLLM chunked prefill."""
     tensor_parallel_size: int = 1

