@@ -397,7 +397,7 @@ class RolloutConfig:
     """Keep generating after EOS up to `data.max_response_length`."""
     enforce_eager: bool = False
     """vLLM without torch.compile and CUDA graphs (slower, less memory, quicker start). On the CPU, false compiles
-    the model too (no CUDA graphs there): a longer start for faster generation."""
+    the model too (Inductor; no CUDA graphs there): ~45 s more at start, generation 1.0-1.2x (docs/benchmarks.md)."""
     enable_chunked_prefill: bool = False
     """vLLM chunked prefill."""
     tensor_parallel_size: int = 1
