@@ -296,11 +296,18 @@ class Clock:
             self.sync()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
+            # each phase's start and end on stdout as they happen: a run stopped by a time limit
+            # (a device call's) still tells which phase it was in and what the finished ones cost
+            print(f"  {name} ...", flush=True)
             start = time.perf_counter()
             yield
             self.sync()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
             self.memory[name] = cuda_peak_bytes() if self.cuda else None
+            peak = f", peak {self.memory[name][0] / GiB:.2f} / {self.memory[name][1] / GiB:.2f} GiB allocated / " \
+                   "reserved" if self.memory[name] else ""
+            print(f"  {name} {seconds:.2f} s{peak}", flush=True)
 
         return timing()
 

@@ -130,28 +130,37 @@ class WorkerGroup:
         host_cls = ray.remote(_RankHost)
         cpus = resources.cpus_per_worker * share
 
-        def start(rank: int, addr: str, port: int, named: bool = True):
+        def start(rank: int, addr: str, port: int, name: str | None = None):
             return host_cls.options(
                 num_cpus=cpus,
                 num_gpus=share if resources.use_gpu else 0,  # a fraction: colocated ranks see the same GPU
-                name=f"easyvlm-{name}-{rank}" if named else None,
+                name=name,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(rank, self.world_size, addr, port, cpus, resources.use_gpu)
 
-        # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port.
-        # Unnamed: ray.kill returns before the GCS frees an actor's name, so a probe named as rank 0
-        # made rank 0's start fail with ActorAlreadyExistsError on a loaded machine.
-        probe = start(0, "127.0.0.1", 0, named=False)
-        addr, port = ray.get(probe.node_address.remote())
-        ray.kill(probe)
-        self.workers = [start(rank, addr, port) for rank in range(self.world_size)]
-        try:
-            ray.get([w.build.remote(factory) for w in self.workers])
-            # rank r's node: node_id (Ray's), ip, host
-            self.nodes: list[dict[str, str]] = ray.get([w.node.remote() for w in self.workers])
-        except BaseException:  # free the devices, so that the process can start another run
-            self.shutdown()
-            raise
+        for attempt in range(RENDEZVOUS_TRIES):
+            # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port.
+            # Unnamed: ray.kill returns before the GCS frees an actor's name, so a probe named as rank 0
+            # made rank 0's start fail with ActorAlreadyExistsError on a loaded machine (the same
+            # holds for a retry's ranks: each try names its own).
+            probe = start(0, "127.0.0.1", 0)
+            addr, port = ray.get(probe.node_address.remote())
+            ray.kill(probe)
+            suffix = f"-try{attempt + 1}" if attempt else ""
+            self.workers = [start(rank, addr, port, f"easyvlm-{name}-{rank}{suffix}") for rank in range(self.world_size)]
+            try:
+                ray.get([w.build.remote(factory) for w in self.workers])  # raises at the first rank's error
+                # rank r's node: node_id (Ray's), ip, host
+                self.nodes: list[dict[str, str]] = ray.get([w.node.remote() for w in self.workers])
+                return
+            except BaseException as error:
+                if attempt + 1 < RENDEZVOUS_TRIES and port_was_taken(error):
+                    # another process bound the free port between the probe's check and rank 0's
+                    # bind: start the ranks again on a new one
+                    self._kill_workers()
+                    continue
+                self.shutdown()  # free the devices, so that the process can start another run
+                raise
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get(self.call_all_async(method, *args, **kwargs))
@@ -180,10 +189,24 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Kill this group's ranks; remove the placement group if this group made it (shut down
         groups colocated into it first)."""
-        for w in self.workers:
-            ray.kill(w)
+        self._kill_workers()
         if self._owns_pg:
             ray.util.remove_placement_group(self.pg)
+
+    def _kill_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+
+
+RENDEZVOUS_TRIES = 3  # starts of a group's ranks when rank 0 finds its rendezvous port taken
+
+
+def port_was_taken(error: BaseException) -> bool:
+    """Whether a rank's start failed because the rendezvous port was bound by someone else
+    (torch's DistNetworkError from rank 0's TCPStore: "... name: EADDRINUSE, message: address
+    already in use"), seen through Ray's error wrapping."""
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def placement_report(groups: dict[str, list[dict[str, str]]], actors: dict[str, dict[str, str]], nnodes: int) -> list[str]:

@@ -41,11 +41,40 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> t
 
 
 def find_free_port() -> int:
+    """A port that is free now, for a process group's rendezvous (rank 0's TCPStore binds it later).
+
+    Taken below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) and above
+    Ray's worker ports (10002-19999): a port the kernel hands out as ephemeral can be given to any
+    outgoing connection (Ray and gRPC open many) between this check and the store's bind, which is
+    how a CI run failed with EADDRINUSE. Falls back to an ephemeral port where the range is unknown
+    or leaves no room."""
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))  # all interfaces: other nodes connect to it
-        return s.getsockname()[1]
+    low = _ephemeral_port_start()
+    candidates = random.sample(range(_RENDEZVOUS_PORTS_FROM, low), min(64, low - _RENDEZVOUS_PORTS_FROM)) if low else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # all interfaces: other nodes connect to it
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("find_free_port: no free port to bind")
+
+
+_RENDEZVOUS_PORTS_FROM = 20000  # above Ray's default worker ports (min/max_worker_port 10002-19999)
+
+
+def _ephemeral_port_start() -> int | None:
+    """The first port of the kernel's ephemeral range, or None where it cannot be read or leaves no
+    room above ``_RENDEZVOUS_PORTS_FROM``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if low > _RENDEZVOUS_PORTS_FROM else None
 
 
 def worker_device() -> torch.device:
