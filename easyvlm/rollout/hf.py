@@ -6,7 +6,9 @@ trains on. The model's own
 ``generation_config.json`` is ignored (Qwen2.5-VL-Instruct's sets top_k=1 and
 repetition_penalty=1.05): sampling comes only from easyvlm's config. Blocked tokens are removed
 with ``suppress_tokens``; ``rollout_logprobs`` are taken from the processed scores (after
-suppression, temperature, top-k, top-p), as vLLM's ``processed_logprobs``.
+suppression, temperature, top-k, top-p), as vLLM's ``processed_logprobs``, one step at a time
+(:class:`ChosenTokenLogprobs`): ``output_scores`` would keep every step's (rows x vocabulary)
+float32 scores on the device, 20 GB for 128 rows x 256 tokens of Qwen2.5-VL's 152 K vocabulary.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
@@ -38,6 +49,34 @@ def load_generation_model(
     if vision_language:  # the prompts' images through the tower in a few SDPA calls, as the actor's
         batch_vision_windows(model)
     return model.to(device).eval()
+
+
+class ChosenTokenLogprobs(LogitsProcessor):
+    """The last of generate()'s logits processors: the log-probability of each sampled token under
+    the distribution it was sampled from, keeping one step's (rows x vocabulary) log-probs at a time.
+
+    generate() calls a processor with the ids so far and the step's scores, then draws the token:
+    so each call takes the token the previous step drew (``input_ids[:, -1]``) from the previous
+    step's log-probs, and :meth:`logprobs` takes the last step's after generate() returns."""
+
+    def __init__(self):
+        self.previous: Tensor | None = None  # (B, V) log-probs of the latest step
+        self.taken: list[Tensor] = []  # (B,) per finished step
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.previous is not None:
+            self.taken.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = scores.float().log_softmax(-1)
+        return scores
+
+    def logprobs(self, generated: Tensor) -> Tensor:
+        """(B, L) generated ids -> (B, L) float32 log-probs. generate() may have computed a step past
+        the last token it returns (a stop found late): such steps are dropped."""
+        length = generated.shape[1]
+        taken = self.taken[:length]
+        if len(taken) < length:
+            taken.append(self.previous.gather(-1, generated[:, length - 1 :]).squeeze(-1))
+        return torch.stack(taken, 1) if taken else generated.new_zeros(generated.shape, dtype=torch.float32)
 
 
 def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
@@ -99,19 +138,33 @@ class HFRolloutEngine(RolloutEngine):
         self._rng_state = generator.get_state()
 
     def _generation_config(self, sampling: Sampling) -> GenerationConfig:
-        sample = {}
-        if not is_greedy(sampling):
-            sample = dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
+        # temperature, top-k and top-p stay at their neutral values here: generate() would append
+        # their warpers after every processor passed to it, and ChosenTokenLogprobs must see the
+        # final distribution (_logits_processors passes them itself, in transformers' order)
+        neutral = dict(temperature=1.0, top_k=0, top_p=1.0) if not is_greedy(sampling) else {}
         return GenerationConfig(
             do_sample=not is_greedy(sampling),
-            **sample,
+            **neutral,
             max_new_tokens=sampling.max_tokens,
             eos_token_id=None if sampling.ignore_eos else self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             suppress_tokens=self.blocked_token_ids or None,
-            output_scores=True,
             return_dict_in_generate=True,
         )
+
+    @staticmethod
+    def _logits_processors(sampling: Sampling, recorder: "ChosenTokenLogprobs") -> LogitsProcessorList:
+        """The sampling warpers in the order transformers' generate() applies them (temperature,
+        top-k, top-p), then ``recorder``: it reads the distribution the token is drawn from."""
+        warpers = []
+        if not is_greedy(sampling):
+            if sampling.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(sampling.temperature))
+            if sampling.top_k > 0:
+                warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+            if sampling.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        return LogitsProcessorList([*warpers, recorder])
 
     @torch.no_grad()
     def _sample(
@@ -156,10 +209,11 @@ class HFRolloutEngine(RolloutEngine):
             position_ids=to_model_layout(prompts["position_ids"]).to(self.device),
             **{k: v.to(self.device) for k, v in mm.items()},
             generation_config=self._generation_config(sampling),
+            logits_processor=self._logits_processors(sampling, recorder := ChosenTokenLogprobs()),
         )
-        generated = out.sequences[:, input_ids.shape[1] :].cpu()  # (B, L)
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # (B, L, V), processed
-        token_logprobs = scores.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # (B, L)
+        generated = out.sequences[:, input_ids.shape[1] :]  # (B, L)
+        token_logprobs = recorder.logprobs(generated).cpu()  # (B, L), of the processed distributions
+        generated = generated.cpu()
         responses, logprobs = [], []
         for row, row_logprobs in zip(generated, token_logprobs):
             length = row.numel()

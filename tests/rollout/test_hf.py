@@ -8,11 +8,12 @@ from rollout_helpers import (
     default_prompts,
     eos_inside,
     recompute_logprobs,
+    response_logits,
     rollout_plan,
     video_prompt_batch,
     with_sampling,
 )
-from transformers import AutoModelForImageTextToText
+from transformers import AutoModelForImageTextToText, TopKLogitsWarper, TopPLogitsWarper
 
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.rollout.factory import build_rollout
@@ -70,6 +71,26 @@ def test_sampled_logprobs_are_the_temperature_scaled_policy(engine, model, promp
     expected = recompute_logprobs(model, out, 0.7, engine.blocked_token_ids)
     mask = out["response_mask"]
     torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
+
+
+def test_top_k_top_p_logprobs_are_of_the_distribution_sampled_from(engine, model, prompts):
+    """rollout_logprobs under temperature, top-k and top-p: transformers' own warpers, in generate()'s
+    order, applied to a full forward's logits, then log_softmax (vLLM's processed_logprobs). The
+    engine records them one step at a time; before, it stacked every step's scores (output_scores)."""
+    out = engine.generate(prompts, with_sampling(engine, temperature=0.7, top_k=20, top_p=0.8))
+    logits = response_logits(model, out)
+    logits[..., list(engine.blocked_token_ids)] = float("-inf")
+    rows, steps, vocab = logits.shape
+    warped = TopPLogitsWarper(top_p=0.8)(None, TopKLogitsWarper(top_k=20)(None, logits.reshape(-1, vocab) / 0.7))
+    expected = warped.log_softmax(-1).reshape(rows, steps, vocab).gather(-1, out["responses"][..., None])[..., 0]
+    mask = out["response_mask"]
+    assert torch.isfinite(expected[mask]).all()  # every sampled token was inside top-k and top-p
+    torch.testing.assert_close(out["rollout_logprobs"][mask], expected[mask])
+    # the warpers mattered: the random tiny model is near uniform over its 264 ids at temperature
+    # 0.7, top-20 then top-p 0.8 keep ~10% of the mass, so the kept tokens' log-probs are higher than
+    # temperature alone gives by about -log 0.1 = 2.3 (2.11-2.27 here)
+    temperature_only = recompute_logprobs(model, out, 0.7, engine.blocked_token_ids)
+    assert (out["rollout_logprobs"][mask] - temperature_only[mask]).min() > 1.0
 
 
 def test_position_ids_equal_transformers_over_the_whole_sequence(engine, model, prompts):
@@ -217,3 +238,24 @@ def test_parking_in_host_memory_keeps_the_weights_and_their_ties():
     assert [c.data_ptr() for c in copies] == first
     restore_from_host_memory(weights, "cpu")
     assert torch.equal(model[1].weight, before[0] + 1.0)
+
+
+def test_chosen_token_logprobs_step_by_step():
+    """generate()'s calls by hand, one row: the processor sees the previous step's drawn token with
+    the next step's scores. Scores (0, ln 3) -> probabilities (1/4, 3/4); token 1 drawn; (ln 3, 0) ->
+    (3/4, 1/4), token 0 drawn; a third step (0, 0) -> (1/2, 1/2) computed past a stop generate()
+    then undoes, or a third token."""
+    import math
+
+    from easyvlm.rollout.hf import ChosenTokenLogprobs
+
+    recorder = ChosenTokenLogprobs()
+    ln3 = math.log(3.0)
+    for ids, scores in (([5], [0.0, ln3]), ([5, 1], [ln3, 0.0]), ([5, 1, 0], [0.0, 0.0])):
+        recorder(torch.tensor([ids]), torch.tensor([scores]))
+    three_quarters, half = math.log(0.75), math.log(0.5)
+    # two tokens returned: the third step's distribution is dropped
+    torch.testing.assert_close(recorder.logprobs(torch.tensor([[1, 0]])), torch.tensor([[three_quarters] * 2]))
+    # three returned (token 1 from the last step): its log-prob comes from the last scores
+    torch.testing.assert_close(recorder.logprobs(torch.tensor([[1, 0, 1]])),
+                               torch.tensor([[three_quarters, three_quarters, half]]))
