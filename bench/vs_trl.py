@@ -75,6 +75,10 @@ def easyvlm_overrides(model_dir: str, prompts: int, n: int, max_response: int, s
         f"worker.actor.global_batch_size={prompts}",  # one mini-batch: on-policy, old log-probs skipped
         f"worker.actor.micro_batch_size_per_device_for_update={micro}",
         f"worker.actor.micro_batch_size_per_device_for_experience={micro}",
+        # `micro` sequences per pass, as TRL's per-device batch: dynamic batching's default budget
+        # (EasyR1's, micro x (max_prompt_length + max_response_length) = micro x 384 tokens) would
+        # pack ~2x as many of the bench's ~200-token sequences
+        "worker.actor.dynamic_batching=false",
         "worker.actor.model.enable_gradient_checkpointing=false",
         "worker.actor.loss_avg_mode=token",
         "worker.actor.entropy_coeff=0",  # TRL has no entropy bonus (the demo config has one)

@@ -92,7 +92,9 @@ class MicroBatching:
     dynamic: bool
     """Cut by a token budget instead of a sample count."""
     max_token_len: Optional[int]
-    """Dynamic batching's budget of attended tokens; None = micro_batch_size x the batch's padded length."""
+    """Dynamic batching's budget of attended tokens (the plan sets EasyR1's default:
+    micro_batch_size x (max_prompt_length + max_response_length)); None = micro_batch_size x the
+    batch's padded length."""
 
 
 @dataclass(frozen=True)

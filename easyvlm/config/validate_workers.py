@@ -100,7 +100,7 @@ def _check_role(c: Checks, role: str) -> None:
         c.add(
             f"{p}.max_token_len_per_device",
             f"({max_tokens}) must hold at least one whole sequence: data.max_prompt_length + "
-            f"data.max_response_length = {longest}; raise it, or set null for micro-batch size x padded length",
+            f"data.max_response_length = {longest}; raise it, or set null for micro-batch size x that length",
         )
 
 

@@ -195,8 +195,9 @@ class ActorConfig:
     entropy_coeff_max: float = 1.0
     """easyvlm extra. Adaptive entropy control: the coefficient's upper bound (TRL: entropy_coef_max; its default)."""
     max_token_len_per_device: Optional[int] = None
-    """easyvlm extra. Dynamic batching's token budget per micro-batch. None = the micro-batch
-    size times the batch's padded sequence length."""
+    """easyvlm extra (verl's ppo_max_token_len_per_gpu). Dynamic batching's token budget per
+    micro-batch. None = EasyR1's: the micro-batch size times data.max_prompt_length +
+    data.max_response_length (a micro-batch of EasyR1's padded rows)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)

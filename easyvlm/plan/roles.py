@@ -35,8 +35,16 @@ from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
 from easyvlm.plan.models import load_bundle, model_spec
 
 
-def _micro(role: ActorConfig | CriticConfig, size: int) -> MicroBatching:
+def _micro(cfg: PPOConfig, role: ActorConfig | CriticConfig, size: int) -> MicroBatching:
+    """A role's micro-batching. Dynamic batching's default budget is EasyR1's: ``size`` rows as
+    EasyR1 pads them, prompt to ``data.max_prompt_length`` and response to ``max_response_length``
+    (its ``micro_batch_size * input_ids.size(-1)``). easyvlm pads a batch's prompts only to its
+    longest, so the same product over easyvlm's padded width gave smaller micro-batches than
+    EasyR1's for the same keys (more passes: the update of Qwen2.5-VL-3B on an H200 was bound by
+    their count, docs/benchmarks.md)."""
     budget = role.max_token_len_per_device if isinstance(role, ActorConfig) else None
+    if role.dynamic_batching and budget is None:
+        budget = size * (cfg.data.max_prompt_length + cfg.data.max_response_length)
     return MicroBatching(micro_batch_size=size, dynamic=role.dynamic_batching, max_token_len=budget)
 
 
@@ -49,7 +57,7 @@ def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds)
         blocked_token_ids=tokens.blocked,
         use_torch_compile=actor.use_torch_compile,  # EasyR1 has the key on the actor only
         ulysses_size=role.ulysses_size,
-        experience=_micro(role, role.micro_batch_size_per_device_for_experience),
+        experience=_micro(cfg, role, role.micro_batch_size_per_device_for_experience),
     )
 
 
@@ -58,7 +66,7 @@ def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatc
         ppo_epochs=role.ppo_epochs,
         mini_batch_per_rank=batching.mini_batch_per_device,
         optimizer_steps_per_step=batching.optimizer_steps_per_step,
-        micro=_micro(role, role.micro_batch_size_per_device_for_update),
+        micro=_micro(cfg, role, role.micro_batch_size_per_device_for_update),
         max_grad_norm=role.max_grad_norm,
         loss_avg_mode=role.loss_avg_mode,
         norm_length=cfg.data.max_response_length,

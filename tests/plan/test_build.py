@@ -427,3 +427,23 @@ def test_workers_on_other_nodes_get_names_and_file_texts(tiny_model_path, tmp_pa
     assert local_model_dir(plan.actor.model.model_dir, plan.actor.model.model_path) == tiny_model_path
     engine = plan.rollout.engine
     assert local_model_dir(engine.tokenizer_dir, engine.tokenizer_path) == str(tokenizer_dir)
+
+
+def test_dynamic_batching_budget_defaults_to_easyr1s_padded_rows(tiny_model_path):
+    """EasyR1's actor and critic cut micro-batches at micro_batch_size x input_ids.size(-1), its
+    prompts left-padded to data.max_prompt_length and responses to max_response_length. Prompts 100,
+    responses 28: a row of 128; update micro 4 -> 512 tokens, experience micro 3 -> 384 (not the
+    width of a batch's longest prompt, which easyvlm pads to). A set max_token_len_per_device wins;
+    without dynamic batching there is no budget."""
+    common = ("data.max_prompt_length=100", "data.max_response_length=28", "algorithm.adv_estimator=gae",
+              "worker.actor.micro_batch_size_per_device_for_update=4",
+              "worker.actor.micro_batch_size_per_device_for_experience=3",
+              "worker.critic.micro_batch_size_per_device_for_update=2", "worker.actor.dynamic_batching=true",
+              "worker.critic.dynamic_batching=true")
+    plan = plan_for(tiny_model_path, *common)
+    assert plan.actor.update.micro.max_token_len == 4 * 128
+    assert plan.actor.forward.experience.max_token_len == 3 * 128
+    assert plan.critic.update.micro.max_token_len == 2 * 128
+    assert plan_for(tiny_model_path, *common, "worker.actor.max_token_len_per_device=1000").actor.update.micro.max_token_len == 1000
+    fixed = plan_for(tiny_model_path, *common, "worker.actor.dynamic_batching=false").actor.update.micro
+    assert fixed.dynamic is False and fixed.max_token_len is None
