@@ -153,7 +153,7 @@ class HFRolloutEngine(RolloutEngine):
         )
 
     @staticmethod
-    def _logits_processors(sampling: Sampling, recorder: "ChosenTokenLogprobs") -> LogitsProcessorList:
+    def _logits_processors(sampling: Sampling, recorder: ChosenTokenLogprobs) -> LogitsProcessorList:
         """The sampling warpers in the order transformers' generate() applies them (temperature,
         top-k, top-p), then ``recorder``: it reads the distribution the token is drawn from."""
         warpers = []

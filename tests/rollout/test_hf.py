@@ -259,3 +259,18 @@ def test_chosen_token_logprobs_step_by_step():
     # three returned (token 1 from the last step): its log-prob comes from the last scores
     torch.testing.assert_close(recorder.logprobs(torch.tensor([[1, 0, 1]])),
                                torch.tensor([[three_quarters, three_quarters, half]]))
+
+
+def test_chosen_token_logprobs_drop_steps_generate_undid():
+    """Four calls (three drawn tokens' log-probs taken) but two tokens returned: generate() undid two
+    steps past a stop it found late, and their log-probs must not shift into the result. Scores
+    (0, ln 3), (ln 3, 0), (0, 0), (0, 0): tokens 1, 0 drawn -> log 3/4 each."""
+    import math
+
+    from easyvlm.rollout.hf import ChosenTokenLogprobs
+
+    recorder = ChosenTokenLogprobs()
+    ln3 = math.log(3.0)
+    for ids, scores in (([5], [0.0, ln3]), ([5, 1], [ln3, 0.0]), ([5, 1, 0], [0.0, 0.0]), ([5, 1, 0, 0], [0.0, 0.0])):
+        recorder(torch.tensor([ids]), torch.tensor([scores]))
+    torch.testing.assert_close(recorder.logprobs(torch.tensor([[1, 0]])), torch.tensor([[math.log(0.75)] * 2]))
