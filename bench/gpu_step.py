@@ -75,6 +75,8 @@ class Shape:
 
 
 def shapes() -> dict[str, Shape]:
+    from dataclasses import replace
+
     from easyvlm.builtin.models import BUILTIN_MODELS, BuiltinModelSpec
 
     qwen25_vision = dict(vision_depth=32, vision_hidden_size=1280, vision_intermediate_size=3420, vision_num_heads=16,
@@ -85,6 +87,12 @@ def shapes() -> dict[str, Shape]:
              "worker.actor.micro_batch_size_per_device_for_experience=16",
              "worker.actor.offload.offload_params=false", "worker.actor.offload.offload_optimizer=false",
              "worker.ref.offload.offload_params=false")
+    qwen3_tower = BuiltinModelSpec(  # Qwen/Qwen3-VL-8B-Instruct; the other Qwen3 shapes change its decoder
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, mrope_section=(24, 20, 20), vision_depth=27, vision_hidden_size=1152,
+        vision_intermediate_size=4304, vision_num_heads=16, vision_fullatt_block_indexes=(), patch_size=16,
+        min_pixels=4096, max_pixels=16777216, max_position_embeddings=262144, family="qwen3_vl",
+        vision_deepstack_indexes=(8, 16, 24), vision_num_position_embeddings=2304)
     return {
         # Qwen/Qwen2.5-VL-3B-Instruct (its embeddings are tied; here untied, over the builtin vocabulary)
         "qwen2.5-vl-3b": Shape(BuiltinModelSpec(
@@ -95,12 +103,19 @@ def shapes() -> dict[str, Shape]:
             hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
             num_key_value_heads=4, mrope_section=(16, 24, 24), **qwen25_vision)),
         # Qwen/Qwen3-VL-8B-Instruct
-        "qwen3-vl-8b": Shape(BuiltinModelSpec(
-            hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-            num_key_value_heads=8, mrope_section=(24, 20, 20), vision_depth=27, vision_hidden_size=1152,
-            vision_intermediate_size=4304, vision_num_heads=16, vision_fullatt_block_indexes=(), patch_size=16,
-            min_pixels=4096, max_pixels=16777216, max_position_embeddings=262144, family="qwen3_vl",
-            vision_deepstack_indexes=(8, 16, 24), vision_num_position_embeddings=2304)),
+        "qwen3-vl-8b": Shape(qwen3_tower),
+        # Qwen/Qwen3.5-9B (transformers' Qwen3_5TextConfig defaults): 3 gated-DeltaNet layers to 1
+        # gated attention layer, a quarter of the 256-wide heads rotating; Qwen3-VL's tower sizes
+        "qwen3.5-9b": Shape(replace(
+            qwen3_tower, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+            num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, mrope_section=(11, 11, 10),
+            layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 8, linear_key_heads=16,
+            linear_value_heads=32, linear_head_dim=128, family="qwen3_5", vision_deepstack_indexes=())),
+        # Qwen/Qwen3-VL-30B-A3B-Instruct: 48 layers, 128 experts of 768, 8 per token
+        "qwen3-vl-30b-a3b": Shape(replace(
+            qwen3_tower, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+            num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20), family="qwen3_vl_moe", num_experts=128,
+            num_experts_per_tok=8, moe_intermediate_size=768)),
         "tiny": Shape(BUILTIN_MODELS["tiny-qwen2.5-vl"]),
     }
 
@@ -117,8 +132,13 @@ def make_eos_free(model: Any, eos_ids: list[int]) -> None:
     with torch.no_grad():
         state[f"{prefix}embed_tokens.weight"][:, EOS_CHANNEL] = EOS_CHANNEL_VALUE
         for name, tensor in state.items():
-            if name.startswith(f"{prefix}layers.") and name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            # every write to the residual stream: attention, linear attention (Qwen3.5), MLP, shared expert
+            if name.startswith(f"{prefix}layers.") and name.endswith(
+                    ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight",
+                     "shared_expert.down_proj.weight")):
                 tensor[EOS_CHANNEL] = 0.0
+            elif name.startswith(f"{prefix}layers.") and name.endswith("mlp.experts.down_proj"):  # (E, H, I)
+                tensor[:, EOS_CHANNEL] = 0.0
         state[f"{prefix}norm.weight"][EOS_CHANNEL] = 1.0
         lm_head = state["lm_head.weight"]
         lm_head[:, EOS_CHANNEL] = 0.0
@@ -134,11 +154,12 @@ def write_random_model(spec: Any, out_dir: Path, device: str, dtype: Any) -> Pat
     import transformers
     from transformers import GenerationConfig
 
-    from easyvlm.builtin.models import FAMILIES, SPECIAL_TOKENS, _model_config, _processor, build_tokenizer
+    from easyvlm.builtin.families import FAMILIES, model_config, processor
+    from easyvlm.builtin.models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
     tokenizer = build_tokenizer(spec.word_tokens)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = _model_config(spec, ids, len(tokenizer))
+    config = model_config(spec, ids, len(tokenizer))
     torch.manual_seed(spec.seed)
     with torch.device(device):
         model = getattr(transformers, FAMILIES[spec.family][1])._from_config(config, dtype=dtype).eval()
@@ -148,7 +169,7 @@ def write_random_model(spec: Any, out_dir: Path, device: str, dtype: Any) -> Pat
     del model
     GenerationConfig(bos_token_id=ids["<|endoftext|>"], eos_token_id=eos_ids,
                      pad_token_id=ids["<|endoftext|>"]).save_pretrained(out_dir)
-    _processor(spec, tokenizer).save_pretrained(out_dir)
+    processor(spec, tokenizer, CHAT_TEMPLATE).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     if device != "cpu":
         torch.cuda.empty_cache()

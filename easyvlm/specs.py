@@ -112,6 +112,9 @@ class ForwardSpec:
     """Ranks of a sequence-parallel group (1 = off)."""
     experience: MicroBatching
     """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
+    router_replay: str = "disabled"
+    """MoE policies: disabled, R2 (the actor records in its old-log-prob pass, replays in the update)
+    or R3 (every pass replays the sampler's experts); ``easyvlm.workers.routing``."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,9 @@ class ActorSpec:
     """Seeds torch before the model is built, so new weights (LoRA) are equal on every rank."""
     files: ModelBundle
     """Tokenizer, processor and generation config written with an HF export."""
+    router_aux_loss_coef: float = 0.0
+    """MoE policies: the weight of the router's load-balancing loss (resolved: the model's own when
+    not configured; 0 = off and for dense models)."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,9 @@ class EngineSpec:
     tokenizer_path: str = ""
     """``model_dir`` and ``tokenizer_dir`` as the config names them (see `ModelSpec.model_path`);
     the engine loads this node's copies (``easyvlm.models.paths.local_model_dir``)."""
+    record_routing: bool = False
+    """MoE policies with ``worker.actor.router_replay=R3``: the engine returns each token's experts
+    (``routed_experts``) with the samples."""
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,16 @@ TEST_VAL_SIZE = 32
 @pytest.fixture
 def one_torch_thread():
     """Tiny models on a shared 2-core machine: one torch thread avoids oversubscription (10x faster
-    here). Worker tests take it always (tests/workers/conftest.py), model tests by ``usefixtures``."""
+    here). Worker tests take it always (tests/workers/conftest.py), model tests by ``usefixtures``.
+    Through ``torch._C``: an in-process vLLM engine replaces ``torch.set_num_threads`` with a no-op
+    for the rest of the process (vllm/v1/worker/cpu_worker.py), and forwards after it would run on
+    two threads, 10-100x slower on a busy 2-core machine."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    threads = torch._C.get_num_threads()
+    torch._C.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
+from easyvlm.builtin.families import FAMILIES, BuiltinModelSpec, model_config, processor
 from easyvlm.builtin.synthetic import PALETTE, SHAPES
 from easyvlm.builtin.synthetic_zoom import call_tokens
 from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start, warm_start_key
@@ -88,63 +89,6 @@ CHAT_TEMPLATE = (
 )
 
 
-# The architectures a spec can build: family -> (config, model, processor, video processor) class
-# names in transformers. Qwen3-VL has its own video processor (per-frame timestamps in the prompt).
-FAMILIES = {
-    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
-    "qwen2_5_vl": (
-        "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor",
-    ),
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
-}
-
-
-@dataclass(frozen=True)
-class BuiltinModelSpec:
-    """Sizes of a built-in Qwen-VL model of ``family`` (a key of FAMILIES).
-
-    ``mrope_section`` must sum to head_dim / 2. Qwen2-VL's vision MLP is ``vision_hidden_size x
-    vision_intermediate_size / vision_hidden_size`` (its config takes an integer ``mlp_ratio``).
-    Fields that only some families use: ``vision_fullatt_block_indexes`` (Qwen2.5-VL's windowed
-    attention), ``vision_deepstack_indexes`` and ``vision_num_position_embeddings`` (Qwen3-VL).
-
-    The fields after ``description`` are left out of ``repr`` and enter :func:`spec_key` only when
-    they differ from their defaults, so the Qwen2.5-VL builds kept their cache keys when they came.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    mrope_section: tuple[int, int, int]
-    vision_depth: int
-    vision_hidden_size: int
-    vision_intermediate_size: int
-    vision_num_heads: int
-    # Vision blocks with full attention (the others use windowed attention, as in Qwen2.5-VL).
-    vision_fullatt_block_indexes: tuple[int, ...]
-    patch_size: int = 14
-    spatial_merge_size: int = 2
-    temporal_patch_size: int = 2
-    # Processor pixel limits: a 56x56 image gives 4 image tokens, 84x84 gives 9.
-    min_pixels: int = 28 * 28 * 4
-    max_pixels: int = 28 * 28 * 64
-    max_position_embeddings: int = 4096
-    # Whole-word tokens added after the special tokens. A real BPE vocabulary has single tokens
-    # for common words; a byte-only one spells every answer over several tokens, and RL then
-    # pushes down the spelling of wrong answers along with the choice (it garbles the words).
-    word_tokens: tuple[str, ...] = ()
-    seed: int = 0
-    description: str = ""
-    family: str = field(default="qwen2_5_vl", repr=False)
-    # Qwen3-VL: vision blocks whose outputs are also added to the first decoder layers' hidden
-    # states at the image tokens (DeepStack), and the size of the learned position-embedding grid
-    # (a square number; interpolated to each image's grid).
-    vision_deepstack_indexes: tuple[int, ...] = field(default=(), repr=False)
-    vision_num_position_embeddings: int = field(default=0, repr=False)
-
-
 _TINY = BuiltinModelSpec(
     hidden_size=128,
     intermediate_size=256,
@@ -158,6 +102,44 @@ _TINY = BuiltinModelSpec(
     vision_num_heads=4,
     vision_fullatt_block_indexes=(1,),
     description="tests",
+)
+
+_TINY_QWEN3_VL = replace(
+    _TINY,
+    family="qwen3_vl",
+    # Qwen3-VL's text model has an explicit head_dim (128 by default): 128 / 4 heads = 32 here.
+    # Interleaved mRoPE spreads T/H/W over the 16 rotary pairs as T H W T H W ...: the H and W
+    # sections (5 each, x 3) must fit in them; the real models use [24, 20, 20] of 64 pairs.
+    mrope_section=(6, 5, 5),
+    vision_fullatt_block_indexes=(),
+    patch_size=16,  # factor 32: a 64x64 image gives 4 image tokens, 96x96 gives 9
+    min_pixels=32 * 32 * 4,
+    max_pixels=32 * 32 * 64,
+    # Block 0's output also enters after decoder layer 0 (DeepStack). Not (0, 1): a feature
+    # added after the last decoder layer reaches only the image tokens' own logits, so its
+    # merger would get no gradient.
+    vision_deepstack_indexes=(0,),
+    vision_num_position_embeddings=256,  # a 16 x 16 grid (the real models: 48 x 48)
+    description="tests (Qwen3-VL)",
+)
+
+# Qwen3.5: a hybrid decoder (three gated-DeltaNet layers, then one gated softmax attention layer, as
+# the real models repeat), Qwen3-VL's tower without DeepStack, partial rotary: a quarter of the
+# head_dim of 64 rotates (8 frequency pairs, interleaved T H W; the real models: [11, 11, 10] of 32).
+_TINY_QWEN3_5 = replace(
+    _TINY_QWEN3_VL,
+    family="qwen3_5",
+    num_hidden_layers=4,
+    layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+    linear_key_heads=2,
+    linear_value_heads=4,  # two value heads per key head, as the real models
+    linear_head_dim=32,
+    head_dim=64,
+    partial_rotary_factor=0.25,
+    mrope_section=(3, 3, 2),
+    vision_deepstack_indexes=(),
+    word_tokens=(*PALETTE, *SHAPES),
+    description="tests and demo base (Qwen3.5)",
 )
 
 BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
@@ -174,23 +156,19 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     ),
     # The other two families at the same sizes (tests: every path of the loop runs with each).
     "tiny-qwen2-vl": replace(_TINY, family="qwen2_vl", vision_fullatt_block_indexes=(), description="tests (Qwen2-VL)"),
-    "tiny-qwen3-vl": replace(
-        _TINY,
-        family="qwen3_vl",
-        # Qwen3-VL's text model has an explicit head_dim (128 by default): 128 / 4 heads = 32 here.
-        # Interleaved mRoPE spreads T/H/W over the 16 rotary pairs as T H W T H W ...: the H and W
-        # sections (5 each, x 3) must fit in them; the real models use [24, 20, 20] of 64 pairs.
-        mrope_section=(6, 5, 5),
-        vision_fullatt_block_indexes=(),
-        patch_size=16,  # factor 32: a 64x64 image gives 4 image tokens, 96x96 gives 9
-        min_pixels=32 * 32 * 4,
-        max_pixels=32 * 32 * 64,
-        # Block 0's output also enters after decoder layer 0 (DeepStack). Not (0, 1): a feature
-        # added after the last decoder layer reaches only the image tokens' own logits, so its
-        # merger would get no gradient.
-        vision_deepstack_indexes=(0,),
-        vision_num_position_embeddings=256,  # a 16 x 16 grid (the real models: 48 x 48)
-        description="tests (Qwen3-VL)",
+    "tiny-qwen3-vl": _TINY_QWEN3_VL,
+    # The 2026 families (tests, and the demo's base through their warm starts: answer words are
+    # single tokens): Qwen3.5 dense and MoE, Qwen3-VL-MoE; 4 experts, top-2 routing. Expert width 48,
+    # not 64: a fused expert tensor whose two sizes are equal (hidden 128 = 2 x 64) is ambiguous to
+    # transformers' loader, which transposes Qwen3-VL-MoE's checkpoint layout only when shapes differ.
+    "tiny-qwen3.5": _TINY_QWEN3_5,
+    "tiny-qwen3.5-moe": replace(
+        _TINY_QWEN3_5, family="qwen3_5_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        description="tests and demo base (Qwen3.5-MoE)",
+    ),
+    "tiny-qwen3-vl-moe": replace(
+        _TINY_QWEN3_VL, family="qwen3_vl_moe", word_tokens=(*PALETTE, *SHAPES), num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, description="tests and demo base (Qwen3-VL-MoE)",
     ),
     # Benchmarks: the same architecture at ~40 M parameters.
     "bench-qwen2.5-vl": BuiltinModelSpec(
@@ -296,129 +274,6 @@ def build_tokenizer(word_tokens: tuple[str, ...] = ()):
     return tokenizer
 
 
-def _model_config(spec: BuiltinModelSpec, ids: dict[str, int], vocab_size: int):
-    """The transformers config of ``spec``: one text model, one vision tower per family."""
-    import transformers
-
-    head_dim = spec.hidden_size // spec.num_attention_heads
-    if sum(spec.mrope_section) * 2 != head_dim:
-        raise ValueError(f"mrope_section {spec.mrope_section} must sum to head_dim/2 = {head_dim // 2}")
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(spec.mrope_section)}
-    text = dict(
-        # Exactly the tokenizer's size: a padded vocabulary lets a random model sample ids that
-        # the tokenizer cannot decode (see STACK.md).
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        rope_parameters=rope,
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-    )
-    if spec.family == "qwen3_vl":
-        # Qwen3-VL: a separate head_dim, q/k norms, interleaved mRoPE (its vision tower: _vision_config)
-        text.update(head_dim=head_dim, rope_parameters=dict(rope, rope_theta=5000000.0, mrope_interleaved=True))
-    vision = _vision_config(spec)
-    config_cls = getattr(transformers, FAMILIES[spec.family][0])
-    extra = {}
-    # Qwen2/2.5-VL's configs drop top-level copies of these ids (passed as the Qwen2.5-VL build always
-    # did); Qwen3VLConfig would keep them, where the real Qwen3-VL configs have them in text_config only.
-    if spec.family != "qwen3_vl":
-        extra = dict(
-            bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
-        )
-    return config_cls(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        **extra,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
-
-def _vision_config(spec: BuiltinModelSpec) -> dict:
-    """The vision tower's config of ``spec``'s family (each family names the same sizes differently)."""
-    patches = dict(
-        patch_size=spec.patch_size,
-        spatial_merge_size=spec.spatial_merge_size,
-        temporal_patch_size=spec.temporal_patch_size,
-    )
-    if spec.family == "qwen2_5_vl":
-        return dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            num_heads=spec.vision_num_heads,
-            out_hidden_size=spec.hidden_size,
-            **patches,
-            fullatt_block_indexes=list(spec.vision_fullatt_block_indexes),
-        )
-    if spec.family == "qwen2_vl":
-        if spec.vision_intermediate_size % spec.vision_hidden_size:
-            raise ValueError("Qwen2-VL: vision_intermediate_size must be a multiple of vision_hidden_size (mlp_ratio)")
-        return dict(
-            depth=spec.vision_depth,
-            embed_dim=spec.vision_hidden_size,
-            hidden_size=spec.hidden_size,  # Qwen2-VL's name for the merger's output size
-            mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
-            num_heads=spec.vision_num_heads,
-            **patches,
-        )
-    if spec.family == "qwen3_vl":
-        # a ViT with learned position embeddings and DeepStack features for the first decoder layers
-        if len(spec.vision_deepstack_indexes) >= spec.num_hidden_layers:
-            raise ValueError("Qwen3-VL: DeepStack features enter after decoder layers 0, 1, ...; spare the last one")
-        return dict(
-            depth=spec.vision_depth,
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            num_heads=spec.vision_num_heads,
-            out_hidden_size=spec.hidden_size,
-            **patches,
-            deepstack_visual_indexes=list(spec.vision_deepstack_indexes),
-            num_position_embeddings=spec.vision_num_position_embeddings,
-        )
-    raise ValueError(f"unknown model family {spec.family!r}; known: {sorted(FAMILIES)}")
-
-
-def _processor(spec: BuiltinModelSpec, tokenizer):
-    """The family's processor: Qwen2-VL's image processor (all three families use it) and the
-    family's video processor, with the spec's patch sizes and pixel limits."""
-    import transformers
-    from transformers import Qwen2VLImageProcessor
-
-    _, _, processor_name, video_name = FAMILIES[spec.family]
-    common = dict(
-        patch_size=spec.patch_size, temporal_patch_size=spec.temporal_patch_size, merge_size=spec.spatial_merge_size
-    )
-    if spec.family == "qwen3_vl":
-        # As the real Qwen3-VL preprocessor configs: mean/std 0.5; the video limits count all
-        # frames of a video together (Qwen3-VL's video smart_resize), here up to 8 frames' worth.
-        norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
-        pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-        image_processor = Qwen2VLImageProcessor(**pixel_limits, **common, **norm)
-        video_size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels * 8}
-        video_processor = getattr(transformers, video_name)(size=video_size, **common, **norm)
-    else:
-        pixel_limits = dict(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)
-        image_processor = Qwen2VLImageProcessor(**pixel_limits, **common)
-        video_processor = getattr(transformers, video_name)(**pixel_limits, **common)
-    return getattr(transformers, processor_name)(
-        image_processor=image_processor,
-        video_processor=video_processor,
-        tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
 def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     """Write model, tokenizer, processor and generation config for ``spec`` into ``out_dir``."""
     import torch
@@ -432,10 +287,13 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
     if missing:
         raise RuntimeError(f"tokenizer build lost special tokens {missing}")
 
-    config = _model_config(spec, ids, len(tokenizer))
+    config = model_config(spec, ids, len(tokenizer))
     torch.manual_seed(spec.seed)
     model = getattr(transformers, FAMILIES[spec.family][1])(config).to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
+    from easyvlm.models.checkpoint_layout import rewrite_in_checkpoint_layout
+
+    rewrite_in_checkpoint_layout(config, out_dir)  # the real checkpoints' layout, which transformers and vLLM load
     if not (out_dir / "config.json").is_file():  # never commit a build without weights to the cache
         raise RuntimeError(
             f"building {name or spec}: save_pretrained wrote no model files; transformers writes them only on rank 0 "
@@ -449,7 +307,7 @@ def build_model(spec: BuiltinModelSpec, out_dir: Path, name: str = "") -> None:
         pad_token_id=ids["<|endoftext|>"],
     ).save_pretrained(out_dir)
 
-    _processor(spec, tokenizer).save_pretrained(out_dir)
+    processor(spec, tokenizer, CHAT_TEMPLATE).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
 
     n_params = sum(p.numel() for p in model.parameters())
@@ -472,8 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.force:
             shutil.rmtree(model_cache_dir(name, args.cache_dir), ignore_errors=True)
         path = materialize_model(name, args.cache_dir)
-        info = json.loads((path / "easyvlm_builtin.json").read_text())
-        print(f"{BUILTIN_PREFIX}{name}: {path} ({info['num_parameters']:,} parameters)")
+        info_file = path / "easyvlm_builtin.json"  # a warm start has none: its size is its base's
+        size = f" ({json.loads(info_file.read_text())['num_parameters']:,} parameters)" if info_file.is_file() else ""
+        print(f"{BUILTIN_PREFIX}{name}: {path}{size}")
 
 
 def register() -> None:

@@ -58,8 +58,14 @@ class WarmStartSpec:
     """data.max_pixels of the prompts (the zoom task: 112 * 112, so the stripes blur)."""
 
 
+_SYNTHETIC = dict(dataset="synthetic", steps=200, batch_size=32, lr=1e-3, answer_rate=0.6)
 WARM_STARTS = {
-    "tiny-qwen2.5-vl-synthetic": WarmStartSpec(base="tiny-qwen2.5-vl-words", dataset="synthetic", steps=200, batch_size=32, lr=1e-3, answer_rate=0.6),
+    "tiny-qwen2.5-vl-synthetic": WarmStartSpec(base="tiny-qwen2.5-vl-words", **_SYNTHETIC),
+    # The same recipe for the 2026 families (their bases have the answer words as single tokens):
+    # the demo config with these model paths (docs/models.md).
+    "tiny-qwen3.5-synthetic": WarmStartSpec(base="tiny-qwen3.5", **_SYNTHETIC),
+    "tiny-qwen3.5-moe-synthetic": WarmStartSpec(base="tiny-qwen3.5-moe", **_SYNTHETIC),
+    "tiny-qwen3-vl-moe-synthetic": WarmStartSpec(base="tiny-qwen3-vl-moe", **_SYNTHETIC),
     # The tools demo (examples/tools.yaml): half the zoom calls on the named quadrant, half the answers
     # after them true. Measured (64 val prompts): greedy, the box is right 1.0 and the colour after a
     # right zoom 1.0; sampled at temperature 1, p(right box) = 0.39, so RL has room. lr 1e-3 (the
@@ -95,8 +101,10 @@ def build_warm_start(spec: WarmStartSpec, base: Path, out_dir: Path, log=print) 
     from easyvlm.builtin.synthetic import materialize_dataset
     from easyvlm.models.position_ids import extend_position_ids, to_model_layout
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bit-identical builds: reductions in one fixed order
+    threads = torch._C.get_num_threads()
+    # bit-identical builds: reductions in one fixed order. torch._C: an in-process vLLM engine makes
+    # torch.set_num_threads a no-op for the rest of the process (vllm/v1/worker/cpu_worker.py)
+    torch._C.set_num_threads(1)
     try:
         processor = AutoProcessor.from_pretrained(base)
         tokenizer = processor.tokenizer
@@ -133,7 +141,7 @@ def build_warm_start(spec: WarmStartSpec, base: Path, out_dir: Path, log=print) 
                 log(f"easyvlm: warm start {step + 1}/{spec.steps}: loss {loss:.3f}")
         _save(model, processor, base, out_dir)
     finally:
-        torch.set_num_threads(threads)
+        torch._C.set_num_threads(threads)
 
 
 def _start_training(spec: WarmStartSpec, base: str):
@@ -158,11 +166,15 @@ def _train_step(model, optimizer, **inputs) -> float:
 
 
 def _save(model, processor, base: str, out_dir: Path) -> None:
-    """The trained model with the base's processor and generation config."""
+    """The trained model (in its family's checkpoint layout, which transformers and vLLM load) with the
+    base's processor and generation config."""
+    from easyvlm.models.checkpoint_layout import rewrite_in_checkpoint_layout
+
     model.save_pretrained(out_dir)
     if not (out_dir / "config.json").is_file():  # transformers saves only on rank 0 of a torch.distributed group
         raise RuntimeError(f"warm start into {out_dir}: save_pretrained wrote no model files (a torch.distributed rank "
                            "other than 0); build it in a process without a process group (python -m easyvlm.builtin.models)")
+    rewrite_in_checkpoint_layout(model.config, out_dir)
     processor.save_pretrained(out_dir)
     for extra in ("generation_config.json",):
         if (Path(base) / extra).exists():

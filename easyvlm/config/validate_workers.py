@@ -124,6 +124,28 @@ def check_actor(c: Checks) -> None:
     name_or_spec(c, f"{p}.loss_type", POLICY_LOSSES, "policy loss")
     _check_loss_hyperparameters(c)
     _check_token_filters(c)
+    _check_router(c)
+
+
+def _check_router(c: Checks) -> None:
+    """MoE routing keys that need no model (plan/checks.py refuses them for dense models)."""
+    p, actor = "worker.actor", c.cfg.worker.actor
+    coef = actor.router_aux_loss_coef
+    if coef is not None and (not is_finite_number(coef) or coef < 0):
+        c.add(f"{p}.router_aux_loss_coef", f"must be a finite number >= 0 (0 = off, null = the model's own), got {coef}")
+    if actor.router_replay == "disabled":
+        return
+    if actor.router_replay == "R3" and c.cfg.worker.rollout.name != "hf":
+        c.add(f"{p}.router_replay", f"R3 replays the experts the sampler chose, which easyvlm records with the "
+              f"transformers engine only; set worker.rollout.name=hf, or router_replay=R2 with "
+              f"worker.rollout.name={c.cfg.worker.rollout.name}")
+    rollout = c.cfg.worker.rollout
+    if actor.router_replay == "R3" and (rollout.tools or rollout.environment):
+        c.add(f"{p}.router_replay", "R3 records the experts of single-turn samples; multi-turn rollouts "
+              "(worker.rollout.tools / environment) do not keep them yet: use router_replay=R2")
+    if actor.ulysses_size > 1:
+        c.add(f"{p}.router_replay", f"({actor.router_replay}) cannot run with {p}.ulysses_size > 1 (each rank's "
+              "decoder sees a slice of the row); set ulysses_size=1 or router_replay=disabled")
 
 
 ADAPTIVE_ENTROPY_KEYS = ("entropy_target", "entropy_coeff_delta", "entropy_coeff_min", "entropy_coeff_max")

@@ -198,6 +198,18 @@ class ActorConfig:
     """easyvlm extra (verl's ppo_max_token_len_per_gpu). Dynamic batching's token budget per
     micro-batch. None = EasyR1's: the micro-batch size times data.max_prompt_length +
     data.max_response_length (a micro-batch of EasyR1's padded rows)."""
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    """easyvlm extra (verl's router_replay.mode values). MoE models (Qwen3.5-MoE, Qwen3-VL-MoE): which
+    experts the training passes route each token to. disabled: the router's own choice in every pass;
+    R2: the update replays the experts chosen in the old-log-prob pass; R3 (Rollout Routing Replay,
+    arXiv:2510.11370): the sampler records its experts and the old, reference and update passes replay
+    them (worker.rollout.name=hf). The routing weights stay the current router's probabilities of the
+    replayed experts, so the router still trains. Refused for dense models."""
+    router_aux_loss_coef: Optional[float] = None
+    """easyvlm extra. MoE models: weight of the router's load-balancing loss (the model's own, Switch
+    Transformer style) added to the actor loss; logged as actor/moe/aux_loss with
+    actor/moe/expert_load_{max,min}. None = the model config's router_aux_loss_coef (0.001 for the
+    Qwen3.5-MoE and Qwen3-VL-MoE families); 0 = off. A value is refused for dense models."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The policy model."""
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -51,8 +51,14 @@ PROMPT_OBJECT_KEYS = (
 # Optional object key of a prompt Batch when the run has tools: per sample, a loader of the row's
 # images at full resolution (easyvlm.data.images.LazyImages) for tools such as image_zoom.
 ORIGINAL_IMAGES_KEY = "original_images"
+# MoE models (worker.actor.router_replay): the experts each token was routed to, (B, L, layers, k)
+# int16 aligned with input_ids (easyvlm.workers.routing).
+ROUTED_EXPERTS_KEY = "routed_experts"
 # What a model forward reads (actor, reference, critic): everything else stays in the driver.
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs")
+MODEL_INPUT_KEYS = (
+    "input_ids", "attention_mask", "position_ids", "responses", "response_mask", "multi_modal_inputs",
+    ROUTED_EXPERTS_KEY,
+)
 # What the actor and critic updates read, when present.
 UPDATE_INPUT_KEYS = (
     *MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs",

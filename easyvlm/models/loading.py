@@ -5,7 +5,7 @@ the transformers config already carries ``model.override_config``. The driver si
 and builds the config (:func:`load_hf_config`, :func:`apply_config_overrides`) and loads the
 tokenizer and processor once (:func:`load_tokenizer_and_processor`).
 
-Families: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``AutoModelForImageTextToText``) and text-only causal LMs
+Families: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE (``AutoModelForImageTextToText``) and text-only causal LMs
 (Qwen2, Qwen2.5, Qwen3, Llama-style: ``AutoModelForCausalLM``). The critic is
 ``AutoModelForTokenClassification`` with ``num_labels=1`` when transformers has that class for the
 architecture (Qwen2/3, Llama), else :class:`ValueHeadModel`: the model's backbone
@@ -27,6 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from easyvlm.models.linear_attention import has_linear_attention, segment_linear_attention
+from easyvlm.models.moe_routing import install_replay_routers
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
@@ -130,8 +132,9 @@ def load_model(
     """Build the model of ``spec`` on the CPU (or, with ``on_meta``, on the meta device).
 
     Applies, in order: attn_implementation (+ varlen attention for the text decoder when
-    ``padding_free``), dtype, the vision tower's batched windows (SDPA towers), LoRA (``spec.lora``,
-    policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen
+    ``padding_free``), dtype, the vision tower's batched windows (SDPA towers), segment-aware
+    linear attention (Qwen3.5, ``padding_free``), replayable MoE routers (policy), LoRA
+    (``spec.lora``, policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen
     reference model passes ``trainable=False``: all parameters get ``requires_grad=False``.
 
     ``on_meta``: the same modules, parameters and buffers, on the meta device, built from
@@ -185,6 +188,10 @@ def load_model(
 
     if vision_language:  # the tower's windows in a few SDPA calls, not one per window (vision_attention.py)
         batch_vision_windows(model)
+    if padding_free and has_linear_attention(hf_config):  # exact packed rows for recurrent layers
+        segment_linear_attention(model)
+    if role == "policy":  # MoE: routers that can record and replay their experts (moe_routing.py)
+        install_replay_routers(model)
     if spec.lora is not None:
         model = apply_lora(model, spec.lora)
 

@@ -1,4 +1,4 @@
-"""Position ids for a prompt batch: mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or plain 1-D ids.
+"""Position ids for a prompt batch: mRoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) or plain 1-D ids.
 
 Layout. easyvlm keeps the batch dimension first, so a Batch can be indexed and split like every
 other tensor in it:
@@ -30,13 +30,15 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-# model_type -> how videos are laid out. Qwen3-VL puts a text timestamp before every frame, so
-# each frame is its own grid with t = 1 and no temporal scaling.
+# model_type -> how videos are laid out. Qwen3-VL and Qwen3.5 put a text timestamp before every
+# frame, so each frame is its own grid with t = 1 and no temporal scaling.
 MROPE_MODEL_TYPES = {
     "qwen2_vl": "qwen2",
     "qwen2_5_vl": "qwen2_5",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3",
+    "qwen3_5": "qwen3",
+    "qwen3_5_moe": "qwen3",
 }
 MROPE_ROWS = 4  # text row + T/H/W
 

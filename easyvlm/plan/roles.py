@@ -58,6 +58,7 @@ def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds)
         use_torch_compile=actor.use_torch_compile,  # EasyR1 has the key on the actor only
         ulysses_size=role.ulysses_size,
         experience=_micro(cfg, role, role.micro_batch_size_per_device_for_experience),
+        router_replay=getattr(role, "router_replay", "disabled"),  # the actor's (MoE policies)
     )
 
 
@@ -104,7 +105,20 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
         entropy_coeff=actor.entropy_coeff,
         seed=cfg.trainer.seed,
         files=bundle,
+        router_aux_loss_coef=router_aux_loss_coef(actor.router_aux_loss_coef, bundle.policy.hf_config),
     )
+
+
+def router_aux_loss_coef(configured: float | None, hf_config: Any) -> float:
+    """The load-balancing loss's weight: the configured one, or the MoE model's own
+    (``router_aux_loss_coef`` of its text config); 0 for dense models (the check refuses a value)."""
+    from easyvlm.models.moe_routing import is_moe_config
+
+    if not is_moe_config(hf_config):
+        return 0.0
+    if configured is not None:
+        return float(configured)
+    return float(getattr(hf_config.get_text_config(), "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
@@ -112,7 +126,10 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
     are the initial policy), the actor's forward settings, the ref section's FSDP and offload."""
     ref = cfg.worker.ref
     model = dataclasses.replace(bundle.policy, lora=None, gradient_checkpointing=False, freeze_vision_tower=False)
-    return RefSpec(model=model, fsdp=ref.fsdp, offload=ref.offload, forward=_forward(cfg, cfg.worker.actor, bundle.tokens))
+    forward = _forward(cfg, cfg.worker.actor, bundle.tokens)
+    # the reference replays the sampler's experts under R3 only (R2 replays in the update alone)
+    forward = dataclasses.replace(forward, router_replay="R3" if forward.router_replay == "R3" else "disabled")
+    return RefSpec(model=model, fsdp=ref.fsdp, offload=ref.offload, forward=forward)
 
 
 def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
@@ -177,6 +194,7 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
         sequence_tokens=data.max_prompt_length + data.max_response_length,
         model_path=bundle.policy.model_path,
         tokenizer_path=bundle.tokenizer_path,
+        record_routing=cfg.worker.actor.router_replay == "R3",
     )
     return RolloutSpec(
         engine=engine,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 from torch import Tensor
 
-from easyvlm.data.batch import PROMPT_KEYS, Batch
+from easyvlm.data.batch import PROMPT_KEYS, ROUTED_EXPERTS_KEY, Batch
 from easyvlm.rollout.postprocess import build_rollout_batch
 from easyvlm.specs import Sampling
 
@@ -119,9 +119,19 @@ class RolloutEngine(ABC):
         if SEED_KEY in prompts and not is_greedy(sampling):  # row i*n+j is sample j of prompt i
             seeds = [request_seed(s, row % sampling.n) for row, s in enumerate(prompts[SEED_KEY])]
         responses, logprobs = self._sample(prompts, sampling, seeds)
-        return build_rollout_batch(
+        out = build_rollout_batch(
             prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
         )
+        routed = self.take_routing(out["input_ids"].shape[1])
+        if routed is not None:  # MoE, router replay R3: the experts each sampled token went to
+            out[ROUTED_EXPERTS_KEY] = routed
+        return out
+
+    def take_routing(self, width: int) -> Tensor | None:
+        """(rows, width = P + T, layers, k) int16: the experts each token of the last ``_sample`` call's
+        rows went to (FREE where no token was routed), aligned with the rollout batch's ``input_ids``;
+        None when the engine does not record routing (``EngineSpec.record_routing``)."""
+        return None
 
     @abstractmethod
     def _sample(

@@ -33,5 +33,6 @@ def build_rollout(spec: RolloutSpec) -> RolloutEngine:
         device=engine.device,
         seed=engine.seed,
         micro_batch_size=engine.max_num_seqs,
+        record_routing=engine.record_routing,
         **common,
     )

@@ -34,6 +34,7 @@ from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.position_ids import to_model_layout
 from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.rollout.base import RolloutEngine, is_greedy, mix_seeds
+from easyvlm.rollout.routing_record import RoutingRecorder
 from easyvlm.specs import Sampling
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -117,6 +118,7 @@ class HFRolloutEngine(RolloutEngine):
         seed: int = 1,
         micro_batch_size: int | None = None,
         model: torch.nn.Module | None = None,
+        record_routing: bool = False,
     ):
         super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
         if (model is None) == (model_path is None):
@@ -127,6 +129,8 @@ class HFRolloutEngine(RolloutEngine):
             assert hf_config is not None, "HFRolloutEngine(model_path=...) needs the model's hf_config"
             model = load_generation_model(model_path, hf_config, torch_dtype, device, trust_remote_code)
         self.model = model
+        # MoE, router replay R3: the experts of every token generate() feeds the model (routing_record.py)
+        self.routing = RoutingRecorder(model) if record_routing else None
         # Neutral defaults: generate() fills every unset field from model.generation_config.
         self.model.generation_config = GenerationConfig()
         self.micro_batch_size = micro_batch_size
@@ -200,6 +204,19 @@ class HFRolloutEngine(RolloutEngine):
         mm = concat_multi_modal_inputs(prompts.get("multi_modal_inputs") or [])
         if mm:
             mm["mm_token_type_ids"] = mm_token_type_ids(input_ids, self.model.config)
+        if self.routing is None:
+            return self._generate_tokens(prompts, input_ids, mm, sampling)
+        with self.routing.generate_call(prompts["attention_mask"]) as lengths:
+            responses, logprobs = self._generate_tokens(prompts, input_ids, mm, sampling)
+            lengths += [len(row) for row in responses]
+        return responses, logprobs
+
+    def take_routing(self, width: int) -> Tensor | None:
+        return None if self.routing is None else self.routing.take(width)
+
+    def _generate_tokens(
+        self, prompts: Batch, input_ids: Tensor, mm: dict, sampling: Sampling
+    ) -> tuple[list[list[int]], list[list[float]]]:
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=prompts["attention_mask"].to(self.device).long(),

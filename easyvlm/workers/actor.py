@@ -22,20 +22,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from easyvlm.algorithms.aggregation import aggregate_loss
+from easyvlm.algorithms.aggregation import aggregate_loss, loss_normalizer
 from easyvlm.algorithms.kl import kl_loss
 from easyvlm.algorithms.masked import masked_mean
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.algorithms.rollout_mismatch import rollout_mismatch
 from easyvlm.algorithms.token_filters import high_entropy_gate, off_policy_sequence_gate
-from easyvlm.data.batch import POLICY_UPDATE_KEYS, Batch
+from easyvlm.data.batch import POLICY_UPDATE_KEYS, ROUTED_EXPERTS_KEY, Batch
 from easyvlm.models.loading import is_vision_language_config
+from easyvlm.models.moe_routing import routing_state
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
 from easyvlm.specs import ActorSpec, ModelBundle, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, policy_logprobs_for_batch, policy_token_outputs
 from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.fsdp import gather_full_state_dict, iter_full_state_dict
+from easyvlm.workers.routing import aux_loss, concat_routing, routing_metrics
 from easyvlm.workers.sharded import build_sharded_model
 from easyvlm.workers.training import check_worker_group, equalize_micro_batches, model_dtype, token_budget
 from easyvlm.workers.update import MicroLoss, TrainedModel
@@ -85,7 +87,10 @@ class ActorWorker:
             trainable=True, device=self.device, rank=rank, key="worker.actor.fsdp",
         )
         self.hf_config = spec.model.hf_config
-        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(self.hf_config), self.ulysses)
+        # MoE models: the routers' shared state (router replay, load-balancing loss; workers/routing.py)
+        self.routing = routing_state(self.model)
+        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(self.hf_config), self.ulysses,
+                                     routing=self.routing, keep_router_logits=spec.router_aux_loss_coef > 0)
         # FSDP averages gradients over ranks: this factor makes them the global sum (models/ulysses.py)
         scale = loss_scale(world_size, spec.forward.ulysses_size)
         self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "actor", grad_scale=scale)
@@ -107,13 +112,22 @@ class ActorWorker:
         batch.require("input_ids", "attention_mask", "position_ids", "responses")
         self.trained.ensure_loaded()
         micro = self.spec.forward.experience
+        # R2: this pass records the experts each token went to, for the update to replay
+        routed: list[Tensor] = []
+        record = self.routing is not None and self.spec.forward.router_replay == "R2"
+
+        def keep_routing(micro_batch: Batch) -> None:
+            routed.append(self.routing.batch_routing[: len(micro_batch)].cpu())  # the vision dummy's row last
+
         logprobs, entropies = policy_logprobs_for_batch(
             self.model, batch, self.setup, micro_batch_size=micro.micro_batch_size, budget=token_budget(micro, batch),
-            with_entropy=with_entropy,
+            with_entropy=with_entropy, after_micro=keep_routing if record else None,
         )
         tensors = {"old_logprobs": logprobs}
         if entropies is not None:
             tensors["entropies"] = entropies
+        if record:
+            tensors[ROUTED_EXPERTS_KEY] = concat_routing(routed, batch["input_ids"].shape[1])
         return Batch(tensors)
 
     @torch.no_grad()
@@ -208,6 +222,14 @@ class ActorWorker:
         if "rollout_logprobs" in micro:  # the sampler against the policy it sampled from (old_logprobs)
             mismatch = rollout_mismatch(old_logprobs, micro["rollout_logprobs"].to(self.device), mask)
             means.update({f"rollout_mismatch/{k}": v for k, v in mismatch.items()})
+        if self.routing is not None and self.ulysses is None:  # MoE: expert load, the load-balancing loss
+            means.update(routing_metrics(self.routing))
+            if spec.router_aux_loss_coef > 0:
+                aux = aux_loss(self.routing)
+                # weighted by the micro-batch's share of the mini-batch: the sum over micro-batches is a mean
+                share = loss_normalizer(mask, mode, spec.update.norm_length) / normalizer
+                loss = loss + spec.router_aux_loss_coef * aux * share
+                means["moe/aux_loss"] = float(aux.detach())
         return MicroLoss(loss=loss, tokens=float(mask.sum()), sums=sums, token_means=means)
 
     # ------------------------------------------------------------------ weights
@@ -268,6 +290,9 @@ def export_hf_model(state: dict[str, Tensor], hf_config: Any, files: ModelBundle
         model.generation_config = files.generation_config
     path = Path(path)
     model.save_pretrained(path)
+    from easyvlm.models.checkpoint_layout import rewrite_in_checkpoint_layout
+
+    rewrite_in_checkpoint_layout(hf_config, path)  # save_pretrained writes Qwen3-VL-MoE's experts as held in memory
     files.tokenizer.save_pretrained(path)
     if files.processor is not None:
         files.processor.save_pretrained(path)

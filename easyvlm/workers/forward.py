@@ -32,8 +32,11 @@ from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
+from easyvlm.workers.routing import routed_forward
 from easyvlm.workers.vision_dummy import MULTI_MODAL_KEY, DummyImage, with_dummy_image
 from easyvlm.specs import ForwardSpec
+from easyvlm.models.linear_attention import SEGMENTS_KWARG, has_linear_attention
+from easyvlm.models.moe_routing import RoutingState
 from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs
 from easyvlm.models.segments import packed_segments
 from easyvlm.models.ulysses import (
@@ -140,16 +143,23 @@ class ForwardSetup:
     """This rank's sequence-parallel group (padding-free only), or None."""
     use_torch_compile: bool = False
     """The per-token kernel compiled (:func:`token_kernel`)."""
+    routing: RoutingState | None = None
+    """MoE models: the routers' shared state (``easyvlm.workers.routing``); None for dense models."""
+    router_replay: str = "disabled"
+    keep_router_logits: bool = False
+    """Training passes keep the router logits (the load-balancing loss)."""
 
     @classmethod
     def of(
-        cls, spec: ForwardSpec, device: torch.device, dummy_image: DummyImage | None, ulysses: UlyssesGroup | None
+        cls, spec: ForwardSpec, device: torch.device, dummy_image: DummyImage | None, ulysses: UlyssesGroup | None,
+        routing: RoutingState | None = None, keep_router_logits: bool = False,
     ) -> "ForwardSetup":
         """A worker's setup: its plan slice's forward settings plus what the worker made itself."""
         return cls(
             device=device, padding_free=spec.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
             temperature=spec.temperature, share_prompts=spec.share_prompts, dummy_image=dummy_image,
-            ulysses=ulysses, use_torch_compile=spec.use_torch_compile,
+            ulysses=ulysses, use_torch_compile=spec.use_torch_compile, routing=routing,
+            router_replay=spec.router_replay, keep_router_logits=keep_router_logits,
         )
 
 
@@ -213,14 +223,19 @@ def response_outputs(
             return _ulysses_outputs(model, packed, index, extra, lm_head, ulysses, per_token), valid
         if lm_head:
             extra["logits_to_keep"] = index
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, **extra).logits  # (1, K|N, C)
+        if has_linear_attention(model.config):  # a recurrent state per sequence (models/linear_attention.py)
+            extra[SEGMENTS_KWARG] = packed_segments(packed.position_ids[0] if packed.position_ids.dim() == 3
+                                                    else packed.position_ids)
+        with routed_forward(setup, batch, packed.token_index, packed.padded_to_packed):
+            out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, **extra).logits  # (1, K|N, C)
         out = out[0] if lm_head else out[0, index]
     else:
         if lm_head:
             extra["logits_to_keep"] = T + 1  # positions P-1 .. L-1; the last one predicts nothing
         # transformers' mRoPE models take the rows first: (B, R, L) -> (R, B, L)
         model_position_ids = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_position_ids, **extra).logits
+        with routed_forward(setup, batch, None, None):
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=model_position_ids, **extra).logits
         out = out[:, -(T + 1) : -1][valid] if last is None else out[rows, last]  # (K, C)
     if per_token is None:
         return out, valid
@@ -463,8 +478,10 @@ def policy_logprobs_for_batch(
     micro_batch_size: int,
     budget: int | None,
     with_entropy: bool,
+    after_micro: Callable[[Batch], None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU."""
+    """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU.
+    ``after_micro(micro)`` runs after each real micro-batch's forward (the actor's routing record)."""
     from easyvlm.workers.training import equalize_micro_batches
 
     model.eval()
@@ -474,4 +491,6 @@ def policy_logprobs_for_batch(
         if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
             logprobs.append(lp.cpu())
             entropies.append(ent.cpu() if ent is not None else None)
+            if after_micro is not None:
+                after_micro(micro)
     return torch.cat(logprobs), (torch.cat(entropies) if with_entropy else None)

@@ -14,6 +14,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
 from easyvlm.specs import RefSpec
 from easyvlm.workers.dist import worker_device
+from easyvlm.models.moe_routing import routing_state
 from easyvlm.workers.forward import ForwardSetup, policy_log_distribution, policy_logprobs_for_batch
 from easyvlm.workers.vision_dummy import dummy_image_for
 from easyvlm.workers.fsdp import load_model_to, offload_model
@@ -42,7 +43,9 @@ class RefWorker:
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
             padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key="worker.ref.fsdp",
         )
-        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses)
+        # MoE: the routers' state (R3 replays the sampler's experts here too; workers/routing.py)
+        self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses,
+                                     routing=routing_state(self.model))
         self._offloaded = False
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import ROUTED_EXPERTS_KEY, Batch
+from easyvlm.workers.routing import with_routing_rows
 
 MULTI_MODAL_KEY = "multi_modal_inputs"
 
@@ -86,6 +87,8 @@ def with_dummy_image(batch: Batch, dummy: DummyImage) -> Batch:
         tensors["input_ids"][B, 0] = dummy.video_token_id
         tensors["attention_mask"][B, 0] = True
         item.update(pixel_values_videos=dummy.pixel_values, video_grid_thw=dummy.image_grid_thw)
+    if ROUTED_EXPERTS_KEY in batch:  # MoE routing to replay: the dummy's tokens route freely
+        tensors[ROUTED_EXPERTS_KEY] = with_routing_rows(batch[ROUTED_EXPERTS_KEY], B + 1, L)
     items = list(batch.get(MULTI_MODAL_KEY) or [{}] * B)
     items.append(item)
     return Batch(tensors, {MULTI_MODAL_KEY: items})

@@ -79,11 +79,12 @@ PUBLISHED = {"qwen2.5-vl-3b": (2.77e9, 0.67e9), "qwen2.5-vl-7b": (6.53e9, 0.68e9
 def test_the_shapes_have_the_published_parameter_counts(shape):
     import transformers
 
-    from easyvlm.builtin.models import FAMILIES, SPECIAL_TOKENS, _model_config, build_tokenizer
+    from easyvlm.builtin.families import FAMILIES, model_config
+    from easyvlm.builtin.models import SPECIAL_TOKENS, build_tokenizer
 
     spec = gpu_step.shapes()[shape].spec
     tokenizer = build_tokenizer()
-    config = _model_config(spec, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}, len(tokenizer))
+    config = model_config(spec, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}, len(tokenizer))
     with torch.device("meta"):
         model = getattr(transformers, FAMILIES[spec.family][1])._from_config(config)
     counts = {"decoder": 0, "vision": 0}
@@ -95,6 +96,40 @@ def test_the_shapes_have_the_published_parameter_counts(shape):
     decoder, vision = PUBLISHED[shape]
     assert counts["decoder"] == pytest.approx(decoder, abs=0.005e9)  # the reports round to 0.01 B
     assert counts["vision"] == pytest.approx(vision, abs=0.01e9)
+
+
+def test_the_moe_shape_has_qwen3_30b_a3bs_published_counts():
+    """Qwen3-30B-A3B's model card: 29.9 B non-embedding parameters, 3.3 B activated (8 of 128 experts
+    per token, embeddings and lm_head included); the decoder inside Qwen3-VL-30B-A3B is that model."""
+    import transformers
+
+    from easyvlm.builtin.families import FAMILIES, model_config
+    from easyvlm.builtin.models import SPECIAL_TOKENS, build_tokenizer
+
+    spec = gpu_step.shapes()["qwen3-vl-30b-a3b"].spec
+    tokenizer = build_tokenizer()
+    config = model_config(spec, {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}, len(tokenizer))
+    with torch.device("meta"):
+        model = getattr(transformers, FAMILIES[spec.family][1])._from_config(config)
+    decoder = sum(p.numel() for n, p in model.named_parameters()
+                  if "visual" not in n and not n.endswith(("embed_tokens.weight", "lm_head.weight")))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert decoder == pytest.approx(29.9e9, abs=0.05e9)
+    embeddings = 2 * 151936 * 2048  # the real vocabulary's embedding table and lm_head (untied)
+    active = decoder - experts * (128 - 8) / 128 + embeddings
+    assert active == pytest.approx(3.3e9, abs=0.06e9)  # 3.35 B by this count; the card gives one decimal
+
+
+def test_the_qwen3_5_shape_is_the_hybrid_decoder():
+    from transformers import Qwen3_5Config
+
+    spec = gpu_step.shapes()["qwen3.5-9b"].spec
+    default = Qwen3_5Config().text_config  # transformers' defaults are Qwen3.5-9B's
+    assert list(spec.layer_types) == default.layer_types  # 3 linear-attention layers, then 1 full, x 8
+    assert (spec.hidden_size, spec.num_hidden_layers, spec.head_dim, spec.linear_key_heads, spec.linear_value_heads,
+            spec.linear_head_dim) == (default.hidden_size, default.num_hidden_layers, default.head_dim,
+                                      default.linear_num_key_heads, default.linear_num_value_heads,
+                                      default.linear_key_head_dim)
 
 
 def test_the_in_memory_eos_free_edit_is_bench_supports_file_edit(tiny_model_path, tmp_path):

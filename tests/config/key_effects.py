@@ -42,6 +42,7 @@ LOSSES = "tests/algorithms/test_policy_losses.py"
 NEW_LOSSES = "tests/algorithms/test_entropy_aware.py"
 MECH = "tests/workers/test_mechanics.py"
 MODELS = "tests/models/test_model_loading.py"
+MOE = "tests/workers/test_moe_actor.py"
 OPTIM = "tests/workers/test_optim.py"
 REWARDS = "tests/rewards/test_reward_manager.py"
 ROLLOUT = "tests/rollout/test_rollout_base.py"
@@ -334,6 +335,11 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.actor.entropy_coeff_max", PLAN, ENT_LOOP, ENT_HAND, via=("coeff_max",)),
     effects("worker.actor.max_token_len_per_device", PLAN, f"{MECH}::test_micro_batches_follow_the_micro_batching_spec",
             f"{ACTOR}::test_dynamic_batching_gives_the_same_logprobs", via=("max_token_len",)),
+    # MoE policies: router replay (recorded and replayed experts) and the load-balancing loss
+    effects("worker.actor.router_replay", f"{MOE}::test_router_replay_reaches_the_policy_passes",
+            f"{MOE}::test_r2_records_the_routers_choices", f"{MOE}::test_the_update_replays_the_recorded_experts"),
+    effects("worker.actor.router_aux_loss_coef", f"{MOE}::test_default_coefficient_is_the_models",
+            f"{MOE}::test_aux_loss_is_the_models_and_trains_the_router"),
     *_trained("actor"),
     # critic (gae only)
     fixed("worker.critic.strategy"),

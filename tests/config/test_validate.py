@@ -248,6 +248,14 @@ RULES = [
       "worker.judge.model_path=builtin:tiny-qwen2.5-vl", "worker.judge.template=format_prompts/judge.jinja",
       "worker.judge.parser=reward_functions/judge.py:parse_yes_no"], "worker.rollout.one_step_off", "not supported with worker.judge"),
     (["algorithm.rollout_correction.rollout_is=sequence", "worker.actor.loss_type=./loss.py:mine"], "algorithm.rollout_correction.rollout_is", "is a plug-in"),
+    # MoE routing (the model-dependent rules: tests/plan/test_checks.py)
+    (["worker.actor.router_aux_loss_coef=-0.1"], "worker.actor.router_aux_loss_coef", "must be a finite number >= 0"),
+    (["worker.actor.router_replay=R3", "worker.rollout.name=vllm"], "worker.actor.router_replay",
+     "records with the transformers engine only; set worker.rollout.name=hf, or router_replay=R2"),
+    (["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.rollout.tools=[image_zoom]"],
+     "worker.actor.router_replay", "multi-turn rollouts (worker.rollout.tools / environment) do not keep them"),
+    (["worker.actor.router_replay=R2", "worker.actor.ulysses_size=2", "trainer.n_gpus_per_node=2"],
+     "worker.actor.router_replay", "cannot run with worker.actor.ulysses_size > 1"),
 ]
 
 
@@ -298,6 +306,7 @@ ACCEPTED = [
     ["worker.rollout.tools=[image_zoom,calculator,./my_tools.py:search]", "worker.rollout.max_turns=6",
      "worker.rollout.max_tokens_per_turn=16", "worker.rollout.tool_timeout=2.5"],
     ["worker.rollout.environment=./game.py:Game", "worker.rollout.max_turns=8"],
+    ["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.actor.router_aux_loss_coef=0"],
 ]
 
 

@@ -46,8 +46,9 @@ def test_there_are_recipes_for_each_model_data_set_and_algorithm():
     names = [p.stem for p in RECIPES]
     for part in ("3b", "7b", "geo3k", "clevr", "grpo", "dapo", "gspo"):
         assert any(f"_{part}_" in f"_{name}_" for name in names), f"no recipe with {part!r}: {names}"
-    for family in ("qwen2_5_vl_", "qwen3_vl_"):
+    for family in ("qwen2_5_vl_", "qwen3_vl_", "qwen3_5_"):
         assert any(name.startswith(family) for name in names), f"no {family} recipe: {names}"
+    assert any("_a3b_" in name for name in names), f"no MoE recipe: {names}"
 
 
 @pytest.mark.parametrize("script", RECIPES, ids=[p.stem for p in RECIPES])
@@ -78,9 +79,12 @@ def test_recipe_passes_the_trainers_checks(script, tmp_path, monkeypatch, capsys
 
     # what the file name promises
     name = script.stem
-    family = "Qwen3-VL" if name.startswith("qwen3_vl_") else "Qwen2.5-VL"
+    family = next(f for prefix, f in (("qwen3_vl_", "Qwen3-VL"), ("qwen3_5_", "Qwen3.5"), ("qwen2_5_vl_", "Qwen2.5-VL"))
+                  if name.startswith(prefix))
     size = re.search(r"_(\d+)b_", name).group(1)
-    assert cfg.worker.actor.model.model_path == f"Qwen/{family}-{size}B-Instruct"
+    active = "-A3B" if "_a3b_" in name else ""  # an MoE: total and active parameters
+    instruct = "" if family == "Qwen3.5" else "-Instruct"  # Qwen3.5's released names have no suffix
+    assert cfg.worker.actor.model.model_path == f"Qwen/{family}-{size}B{active}{instruct}"
     if "_geo3k_" in name:
         assert cfg.data.train_files == "hiyouga/geometry3k@train"
         assert cfg.worker.reward.reward_function.startswith("./reward_functions/math.py:")
@@ -88,6 +92,8 @@ def test_recipe_passes_the_trainers_checks(script, tmp_path, monkeypatch, capsys
         assert cfg.data.train_files.startswith("BUAADreamer/clevr_count_70k@")
         assert cfg.worker.reward.reward_function.startswith("./reward_functions/r1v.py:")
     a, actor = cfg.algorithm, cfg.worker.actor
+    if active:  # the MoE recipe replays the old pass's routing in the update, the tower frozen
+        assert actor.router_replay == "R2" and actor.model.freeze_vision_tower
     if name.endswith("_grpo"):
         assert a.adv_estimator == "grpo" and actor.loss_type == "default" and not a.online_filtering
     if name.endswith("_dapo"):

@@ -2,7 +2,8 @@
 
 References (independent of easyvlm): ``model.model.get_rope_index`` (rows 1..3) and the model's own
 ``_prepare_position_ids_for_generation`` (all 4 rows, the layout ``generate`` feeds the forward), on
-throwaway tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL models built from configs.
+throwaway tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE / Qwen3-VL-MoE models built from
+configs (each family's own ``get_rope_index``; the Qwen3 ones split videos into one-frame grids).
 """
 
 from __future__ import annotations
@@ -64,10 +65,34 @@ def _build(family: str):
             **TOKENS,
         )
         return tf.Qwen3VLForConditionalGeneration(config).eval()
+    if family == "qwen3_vl_moe":
+        config = tf.Qwen3VLMoeConfig(
+            text_config=dict(TEXT, head_dim=16, rope_parameters=dict(ROPE, mrope_interleaved=True), **EXPERTS),
+            vision_config=dict(VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, deepstack_visual_indexes=[0]),
+            **TOKENS,
+        )
+        return tf.Qwen3VLMoeForConditionalGeneration(config).eval()
+    if family in ("qwen3_5", "qwen3_5_moe"):
+        # one gated-DeltaNet layer; a quarter of head_dim 64 rotates: 8 pairs = mrope_section 2 + 3 + 3
+        text = dict(
+            TEXT, head_dim=64, layer_types=["linear_attention"], linear_num_key_heads=1, linear_num_value_heads=2,
+            linear_key_head_dim=8, linear_value_head_dim=8,
+            rope_parameters=dict(ROPE, mrope_interleaved=True, partial_rotary_factor=0.25),
+        )
+        vision = dict(VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32)
+        if family == "qwen3_5":
+            config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **TOKENS)
+            return tf.Qwen3_5ForConditionalGeneration(config).eval()
+        text = dict(text, shared_expert_intermediate_size=16, **EXPERTS)
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **TOKENS)
+        return tf.Qwen3_5MoeForConditionalGeneration(config).eval()
     raise ValueError(family)
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
+# A text timestamp before every frame of a video; get_rope_index splits a video into one-frame grids.
+PER_FRAME = ["qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"]
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +217,11 @@ def test_extend_matches_rope_index_over_prompt_plus_response(models, family, see
 
 
 def video_case(family):
-    """Two videos (t > 1) between text; Qwen3-VL puts a text timestamp before every frame."""
+    """Two videos (t > 1) between text; Qwen3-VL (and Qwen3.5, the MoEs) put a text timestamp before every frame."""
     grids = [(2, 4, 2), (3, 2, 4)]
     seq = [5, 6]
     for t, h, w in grids:
-        if family == "qwen3_vl":
+        if family in PER_FRAME:
             for _ in range(t):
                 seq += [7, VSTART] + [VIDEO] * (h * w // 4) + [VEND]
         else:
@@ -249,14 +274,54 @@ def reference_rope(model, ids, mask, video_grid_thw, seconds):
     return reference(model, ids, mask, None, video_grid_thw.clone(), seconds)
 
 
-def test_qwen3_videos_match_transformers(models):
-    """Qwen3-VL: every frame is its own t = 1 grid after a timestamp, so transformers agrees."""
-    model = model_for(models, "qwen3_vl")
-    ids, mask, video_grid_thw, _ = video_case("qwen3_vl")
+@pytest.mark.parametrize("family", PER_FRAME)
+def test_qwen3_videos_match_transformers(models, family):
+    """Qwen3-VL, Qwen3.5, Qwen3.5-MoE, Qwen3-VL-MoE: every frame is its own t = 1 grid after a
+    timestamp, so transformers agrees.
+
+    By hand (after the left pad): text 5, 6 -> 0, 1; video 1, (t, h, w) = (2, 4, 2), merged 2 x 1 per
+    frame: frame 1: stamp 2, vision_start 3, 2 tokens T 4 4, H 4 5, W 4 4, vision_end 4 + max(2, 1) = 6;
+    frame 2: stamp 7, start 8, tokens at 9 (H 9 10), end 11; text 8 -> 12; video 2, (3, 2, 4), 1 x 2 per
+    frame: frame k (0..2) stamp 13 + 5k, start 14 + 5k, tokens at 15 + 5k (W +0 +1), end 17 + 5k; so
+    frame 3's end is 27 and the last text 28.
+    """
+    model = model_for(models, family)
+    ids, mask, video_grid_thw, _ = video_case(family)
     ours = get_position_ids(ids, mask, None, video_grid_thw, model.config)
     rope, gen = reference_rope(model, ids, mask, video_grid_thw, None)
     assert torch.equal(to_model_layout(ours)[1:], rope)
     assert torch.equal(to_model_layout(ours), gen)
+    assert ours[0, 1:, 5:7].tolist() == [[4, 4], [4, 5], [4, 4]]  # frame 1's tokens (after pad, 5, 6, stamp, start)
+    assert ours[0, 1:, -1].tolist() == [28, 28, 28] and ours[0, 0, -1] == ids.shape[1] - 2  # text row: 0 .. n-2
+
+
+@pytest.mark.parametrize("family", PER_FRAME)
+def test_qwen3_video_positions_extend_over_a_response(models, family):
+    """A prompt with a per-frame video + a response: extend_position_ids equals transformers'
+    get_rope_index (T/H/W) and the generate() 4 rows over the whole sequence, where the T/H/W rows
+    run behind the text row (a frame of 2 x 2 tokens advances them by 2).
+
+    By hand, row 0: text 5, 6 -> 0, 1; frame 1 of (2, 4, 4) (2 x 2 tokens per frame): stamp 2, vision_start
+    3, tokens T 4 4 4 4, H 4 4 5 5, W 4 5 4 5, vision_end 4 + 2 = 6; frame 2: stamp 7, start 8, tokens at
+    9, end 11; text 8 -> 12; response -> 13 14 15 16. Its text row: 17 prompt tokens (2 + 2 x 7 + 1), so
+    the response at 17 .. 20. Row 1 (text 5 6 8, left padded): 0 1 2, response 3 .. 6 in every row.
+    """
+    model = model_for(models, family)
+    frame = [7, VSTART] + [VIDEO] * 4 + [VEND]
+    row0 = [5, 6] + frame + frame + [8]
+    ids = torch.tensor([row0, [PAD] * (len(row0) - 3) + [5, 6, 8]])
+    mask = ids != PAD
+    video_grid_thw = torch.tensor([[2, 4, 4]])
+    response = torch.tensor([[9, 10, 11, 12], [12, 11, 10, 9]])
+    full_ids = torch.cat([ids, response], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(response, dtype=torch.bool)], dim=1)
+    extended = extend_position_ids(get_position_ids(ids, mask, None, video_grid_thw, model.config), response.shape[1])
+    rope, gen = reference_rope(model, full_ids, full_mask, video_grid_thw, None)
+    assert torch.equal(to_model_layout(extended)[1:, full_mask], rope[:, full_mask])
+    assert torch.equal(to_model_layout(extended)[:, full_mask], gen[:, full_mask])
+    assert extended[0, :, 4:8].tolist() == [[4, 5, 6, 7], [4, 4, 4, 4], [4, 4, 5, 5], [4, 5, 4, 5]]  # frame 1's tokens
+    assert extended[0, :, -4:].tolist() == [[17, 18, 19, 20]] + [[13, 14, 15, 16]] * 3
+    assert extended[1, :, -4:].tolist() == [[3, 4, 5, 6]] * 4
 
 
 def test_text_only_model_gets_1d_ids():

@@ -179,6 +179,54 @@ def test_bad_ulysses_settings_are_refused_before_any_collective(tiny_model_path)
         outputs_with_vision(critic, batch, setup, lm_head=False)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_linear_attention_is_refused_before_any_collective(easyvlm_cache_dir, name):
+    """Qwen3.5's gated-DeltaNet layers carry a recurrent state (and a short convolution) along the
+    whole sequence: a rank's slice of the row would start from a zero state. Their heads alone would
+    allow ulysses_size 2, so the refusal is the linear attention's; the policy's and the critic's
+    forward name their setting before any collective (no process group here). The config check's
+    refusal: tests/plan/test_checks.py."""
+    from transformers import AutoConfig
+
+    from easyvlm.builtin.models import materialize_model
+    from easyvlm.models.linear_attention import segment_linear_attention
+    from easyvlm.workers.forward import ForwardSetup, outputs_with_vision, policy_logprobs
+    from easyvlm.workers.vision_dummy import dummy_image_for
+
+    model_dir = str(materialize_model(name, cache_dir=easyvlm_cache_dir))
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    assert text.num_attention_heads % 2 == 0 and text.num_key_value_heads % 2 == 0
+    assert ulysses_problem(text, 1) is None
+    assert ulysses_problem(text, 2) == (
+        "worker.actor.ulysses_size=2: the model has linear-attention layers, whose recurrent state runs along the "
+        "whole sequence; Ulysses sequence parallelism splits the sequence over ranks: set worker.actor.ulysses_size=1"
+    )
+    batch = batches(model_dir)["short"]
+    group = UlyssesGroup(group=None, size=2, rank=0, dp_rank=0, dp_size=1)  # never reached
+    policy, critic = load(model_dir), load(model_dir, "critic")
+    for model in (policy, critic):
+        assert segment_linear_attention(model) == 3  # as load_model does for padding-free models
+    setup = ForwardSetup(torch.device("cpu"), True, blocked_token_ids=tuple(blocked_ids(model_dir)),
+                         dummy_image=dummy_image_for(policy.config), ulysses=group)
+    with pytest.raises(ValueError, match=r"^worker\.actor\.ulysses_size=2: the model has linear-attention layers"):
+        policy_logprobs(policy, batch, setup, with_entropy=False)
+    setup = ForwardSetup(torch.device("cpu"), True, dummy_image=dummy_image_for(critic.config), ulysses=group)
+    with pytest.raises(ValueError, match=r"^worker\.critic\.ulysses_size=2: the model has linear-attention layers"):
+        outputs_with_vision(critic, batch, setup, lm_head=False)
+
+
+def test_qwen3_vl_moe_heads_allow_two_ranks(easyvlm_cache_dir):
+    """Qwen3-VL-MoE's decoder is softmax attention only: ulysses_size 2 divides its heads and passes."""
+    from transformers import AutoConfig
+
+    from easyvlm.builtin.models import materialize_model
+
+    model_dir = materialize_model("tiny-qwen3-vl-moe", cache_dir=easyvlm_cache_dir)
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    assert ulysses_problem(text, 2) is None
+    assert "num_key_value_heads=2" in ulysses_problem(text, 4)
+
+
 # ------------------------------------------------------------------------------------------------
 # Two ranks, one sequence-parallel group
 

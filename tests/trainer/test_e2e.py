@@ -131,7 +131,22 @@ RUNS = {
          "algorithm.kl_penalty=full"],
         ["actor/kl_loss"],
     ),
+    # the 2026 families through their default CPU path: Qwen3.5's hybrid decoder on the transformers
+    # engine (vLLM is refused for it on the CPU), Qwen3.5-MoE with Rollout Routing Replay, Qwen3-VL-MoE
+    # on vLLM (its fused experts synced in the checkpoint layout)
+    "qwen3_5": (["worker.actor.model.model_path=builtin:tiny-qwen3.5", "worker.rollout.name=hf"], []),
+    "qwen3_5_moe_r3": (
+        ["worker.actor.model.model_path=builtin:tiny-qwen3.5-moe", "worker.rollout.name=hf",
+         "worker.actor.router_replay=R3"],
+        ["actor/moe/aux_loss", "actor/moe/expert_load_max"],
+    ),
+    "qwen3_vl_moe_vllm": (
+        ["worker.actor.model.model_path=builtin:tiny-qwen3-vl-moe", "worker.rollout.name=vllm"],
+        ["actor/moe/aux_loss"],
+    ),
 }
+# the sampler and the trainer agree on these (issue 44: k3 < 1e-3 on every step)
+NEW_FAMILIES = {"qwen3_5", "qwen3_5_moe_r3", "qwen3_vl_moe_vllm"}
 # Runs that compute old log-probs (timing_s/old is logged): the update is not on-policy (the KL in
 # the reward reads old_logprobs), or the rollout correction needs them; the others take one optimizer
 # step per step with the KL as a loss or off, so the pass is skipped.
@@ -180,6 +195,10 @@ class TestEstimators:
             for row in rows:
                 assert row["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
                 assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+        if name in NEW_FAMILIES:
+            for row in rows:
+                # k3 >= 0 per token; a mean of ~1e-9 terms can round to a tiny negative number
+                assert -1e-6 < row["actor/rollout_mismatch/k3"] < 1e-3, row["actor/rollout_mismatch/k3"]
         if name == "dapo":
             assert all(row["online_filtering/rounds"] >= 1.0 for row in rows)
         if name == "full_kl_loss":

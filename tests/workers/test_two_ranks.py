@@ -27,15 +27,34 @@ from easyvlm.workers.dist import find_free_port
 @pytest.mark.parametrize("layout", ["default", "mixed"])
 def test_two_ranks_equal_one_rank(process_group, tiny_model_path, tmp_path, layout):
     """default: images and text on both ranks; mixed: rank 0 text only, rank 1 images and videos."""
+    assert_two_ranks_equal_one_rank(tiny_model_path, layout, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank_on_qwen3_5_moe(process_group, easyvlm_cache_dir, tmp_path):
+    """The tiny Qwen3.5-MoE: gated-DeltaNet layers (segment-aware, under gradient checkpointing) and
+    sparse experts with their routers, sharded by FSDP2 and built on the meta device on rank 1
+    (rank-0 init), with rank 1's dummy passes through the routers. Without the load-balancing loss:
+    it is a nonlinear function of each micro-batch's routing (not split-invariant), and the ranks cut
+    other micro-batches than one process does."""
+    from easyvlm.builtin.models import materialize_model
+
+    model_path = str(materialize_model("tiny-qwen3.5-moe", cache_dir=easyvlm_cache_dir))
+    assert_two_ranks_equal_one_rank(model_path, "default", tmp_path, {"router_aux_loss_coef": 0.0})
+
+
+def assert_two_ranks_equal_one_rank(model_path: str, layout: str, tmp_path, actor_overrides: dict | None = None):
     out_file = str(tmp_path / "two_ranks.pt")
-    mp.spawn(two_rank_main, args=(2, find_free_port(), tiny_model_path, out_file, layout), nprocs=2, join=True)
+    mp.spawn(two_rank_main, args=(2, find_free_port(), model_path, out_file, layout, actor_overrides), nprocs=2,
+             join=True)
     two = torch.load(out_file, weights_only=False)
 
-    full = make_rl_batch(tiny_model_path, LAYOUTS[layout], RESPONSE_LENGTHS)
+    full = make_rl_batch(model_path, LAYOUTS[layout], RESPONSE_LENGTHS)
     noise, advantages = training_keys(full)
     order = torch.tensor(ONE_RANK_ORDER)
     one = run_actor_and_critic(
-        tiny_model_path, full.index(order), noise[order], advantages[order], rank=0, world_size=1
+        model_path, full.index(order), noise[order], advantages[order], rank=0, world_size=1,
+        actor_overrides=actor_overrides,
     )
 
     mask = full["response_mask"][order]

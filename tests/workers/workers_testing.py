@@ -249,14 +249,17 @@ def training_keys(batch: Batch, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
 
 
 def run_actor_and_critic(
-    model_path: str, batch: Batch, noise: torch.Tensor, advantages: torch.Tensor, rank: int, world_size: int
+    model_path: str, batch: Batch, noise: torch.Tensor, advantages: torch.Tensor, rank: int, world_size: int,
+    actor_overrides: dict | None = None,
 ) -> dict:
-    """compute_logprobs, update_policy, compute_values, update_critic on this rank's ``batch``;
-    returns what the comparison needs (weights gathered to every rank)."""
+    """compute_logprobs, update_policy, compute_values, update_critic on this rank's ``batch``
+    (``actor_overrides``: more keys for the actor, over TWO_RANK_ACTOR); returns what the comparison
+    needs (weights gathered to every rank)."""
     from easyvlm.workers.actor import ActorWorker
     from easyvlm.workers.critic import CriticWorker
 
-    spec = actor_spec(model_path, total_steps=3, world_size=world_size, extra=TWO_RANK_EXTRA, **TWO_RANK_ACTOR)
+    spec = actor_spec(model_path, total_steps=3, world_size=world_size, extra=TWO_RANK_EXTRA,
+                      **{**TWO_RANK_ACTOR, **(actor_overrides or {})})
     actor = ActorWorker(spec, rank=rank, world_size=world_size)
     logprobs = actor.compute_logprobs(batch)["old_logprobs"]
     data = batch.copy()
@@ -278,7 +281,8 @@ def run_actor_and_critic(
                 actor_weights=actor_weights, critic_weights=gather_full_state_dict(critic.model))
 
 
-def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_file: str, layout: str = "default") -> None:
+def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_file: str, layout: str = "default",
+                  actor_overrides: dict | None = None) -> None:
     """Entry point of each spawned rank: run on rows [4 r, 4 r + 4) of ``LAYOUTS[layout]`` and save
     rank 0's view."""
     import os
@@ -293,7 +297,8 @@ def two_rank_main(rank: int, world_size: int, port: int, model_path: str, out_fi
     full = make_rl_batch(model_path, LAYOUTS[layout], RESPONSE_LENGTHS)
     noise, advantages = training_keys(full)
     rows = slice(4 * rank, 4 * rank + 4)
-    out = run_actor_and_critic(model_path, full.index(rows), noise[rows], advantages[rows], rank, world_size)
+    out = run_actor_and_critic(model_path, full.index(rows), noise[rows], advantages[rows], rank, world_size,
+                               actor_overrides)
     per_rank = [None] * world_size
     dist.all_gather_object(per_rank, {"logprobs": out["logprobs"], "values": out["values"]})
     if rank == 0:

@@ -1,0 +1,159 @@
+"""Routing of the MoE decoders (Qwen3.5-MoE, Qwen3-VL-MoE): record the experts each token chose,
+replay recorded choices in a later forward, and the load-balancing statistics.
+
+Why replay: the router picks each token's top-k experts from its logits; the sampler and the
+trainer compute those logits with different kernels (and the trainer after every update), so a
+token near a tie can go to other experts in training than in sampling, and its log-prob changes
+by far more than numerical noise. Rollout Routing Replay (R3, arXiv 2510.11370; verl's
+``router_replay.mode``) trains with the experts the sampler chose: the routing weights are still the
+current router's probabilities of those experts (renormalised over them), so the router keeps its
+gradient; only the choice is fixed.
+
+:class:`ReplayRouter` takes the place of each transformers top-k router (the ``gate`` module of a
+sparse MoE block), with the same ``weight`` parameter under the same name (state dicts, FSDP, LoRA
+and the weight sync see no difference) and the same outputs ``(logits, weights, indices)``. Without
+a replay it computes exactly what transformers' router computes. All routers of a model share one
+:class:`RoutingState`, which says what the next forward does (``RoutingState.forward``).
+
+Token order: a router sees ``hidden_states.reshape(-1, hidden)``, i.e. the forward's tokens in
+row-major order: for a padded (B, L) batch ``b * L + j``, for a packed row its N tokens. A replay
+is given in that order, (N, layers, k); an entry of -1 routes that token freely (e.g. the
+vision-tower dummy's tokens, which no sampler saw).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# transformers' top-k routers of the MoE families easyvlm trains (their forward is the same: softmax
+# in float32, top-k, weights renormalised over the chosen experts)
+ROUTER_CLASSES = frozenset({"Qwen3_5MoeTopKRouter", "Qwen3VLMoeTextTopKRouter"})
+FREE = -1
+"""A replayed expert index meaning "route this token by its own logits"."""
+
+
+class RoutingState:
+    """What a model's routers do in the next forward, and what they chose in the last one."""
+
+    def __init__(self, num_layers: int, top_k: int, num_experts: int):
+        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
+        self.replay: Tensor | None = None  # (N, layers, k) long, FREE = route freely
+        self.keep_logits = False
+        self.chosen: list[Tensor | None] = [None] * num_layers  # per MoE layer: (N, k) of the last forward
+        self.logits: list[Tensor | None] = [None] * num_layers  # per MoE layer: (N, E), with keep_logits
+        self.batch_routing: Tensor | None = None  # the last forward's choices in its batch's layout (the workers')
+        self.token_mask: Tensor | None = None  # (N,) the last forward's tokens that count in statistics
+
+    @contextmanager
+    def forward(self, replay: Tensor | None = None, keep_logits: bool = False) -> Iterator["RoutingState"]:
+        """The routers of the forward run inside this context replay ``replay`` (or route freely)
+        and keep their logits (with their graph: the load-balancing loss) if ``keep_logits``."""
+        if replay is not None and (replay.dim() != 3 or replay.shape[1:] != (self.num_layers, self.top_k)):
+            raise ValueError(f"a routing replay is (tokens, {self.num_layers} MoE layers, top-{self.top_k}); "
+                             f"got {tuple(replay.shape)}")
+        self.replay, self.keep_logits = replay, keep_logits
+        self.chosen = [None] * self.num_layers
+        self.logits = [None] * self.num_layers
+        try:
+            yield self
+        finally:
+            # the replay stays until the next forward: gradient checkpointing recomputes the
+            # checkpointed layers in the backward pass, after this context, and their routers must
+            # choose the experts this forward chose (else torch's CheckpointError, or other experts)
+            self.keep_logits = False
+
+    def recorded(self) -> Tensor:
+        """(N, layers, k) int64: the experts every router chose in the last forward."""
+        missing = [i for i, c in enumerate(self.chosen) if c is None]
+        if missing:
+            raise RuntimeError(f"MoE layers {missing} did not run in the last forward: nothing to record")
+        return torch.stack([c for c in self.chosen if c is not None], dim=1)
+
+
+class ReplayRouter(nn.Module):
+    """A top-k router of ``state``'s model (MoE layer ``layer``): transformers' computation, or the
+    replayed experts' current probabilities when ``state.replay`` is set."""
+
+    def __init__(self, original: nn.Module, layer: int, state: RoutingState):
+        super().__init__()
+        self.weight = original.weight  # (E, H): the same parameter, the same name
+        self.top_k, self.num_experts, self.hidden_dim = original.top_k, original.num_experts, original.hidden_dim
+        self.layer = layer
+        self.state = state
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hidden_states, self.weight)  # (N, E)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top_values, top_index = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        replay = self.state.replay
+        if replay is not None:
+            if replay.shape[0] != hidden_states.shape[0]:
+                raise ValueError(f"routing replay of {replay.shape[0]} tokens for a forward of {hidden_states.shape[0]}")
+            chosen = replay[:, self.layer].to(device=top_index.device, dtype=top_index.dtype)
+            free = (chosen == FREE).any(-1, keepdim=True)
+            top_index = torch.where(free, top_index, chosen)
+            top_values = probs.gather(-1, top_index)
+        top_values = top_values / top_values.sum(dim=-1, keepdim=True)
+        self.state.chosen[self.layer] = top_index.detach()
+        if self.state.keep_logits:
+            self.state.logits[self.layer] = logits
+        return logits, top_values.to(logits.dtype), top_index
+
+
+def routing_state(model: nn.Module) -> RoutingState | None:
+    """The shared state of ``model``'s replay routers (installed by :func:`install_replay_routers`),
+    or None for a model without them (dense models). Looks through PEFT and FSDP wrappers."""
+    for module in model.modules():
+        if isinstance(module, ReplayRouter):
+            return module.state
+    return None
+
+
+def install_replay_routers(model: nn.Module) -> RoutingState | None:
+    """Replace every transformers top-k router of ``model`` (in layer order) by a
+    :class:`ReplayRouter` sharing one :class:`RoutingState`; returns it, or None without routers."""
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child).__name__ in ROUTER_CLASSES]
+    if not found:
+        return None
+    tops = {(child.top_k, child.num_experts) for _, _, child in found}
+    if len(tops) != 1:
+        raise ValueError(f"routers with different (top_k, num_experts): {sorted(tops)}")
+    (top_k, num_experts), = tops
+    state = RoutingState(len(found), top_k, num_experts)
+    for layer, (parent, name, child) in enumerate(found):
+        setattr(parent, name, ReplayRouter(child, layer, state))
+    return state
+
+
+def is_moe_config(hf_config: Any) -> bool:
+    """Whether the (text) config has a sparse MoE decoder easyvlm can route (experts and top-k)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(getattr(text, "num_experts", 0) or 0) > 1 and int(getattr(text, "num_experts_per_tok", 0) or 0) > 0
+
+
+def expert_load(chosen: Tensor, num_experts: int) -> Tensor:
+    """(layers, E) share of routed token slots per expert, times E: 1.0 everywhere is a perfect
+    balance; an expert chosen by every token has E / k. ``chosen``: (N, layers, k) expert indices.
+
+    Example: E = 4, k = 2, two tokens choosing {0, 1} and {0, 2}: slots 4, counts [2, 1, 1, 0],
+    loads [2, 1, 1, 0] (x 4 / 4)."""
+    tokens, layers, k = chosen.shape
+    counts = F.one_hot(chosen.long(), num_experts).sum(dim=(0, 2)).float()  # (layers, E)
+    return counts * num_experts / max(tokens * k, 1)
+
+
+def load_balancing_loss(logits: list[Tensor], num_experts: int, top_k: int, token_mask: Tensor | None = None) -> Tensor:
+    """The model's own auxiliary load-balancing loss (Switch Transformer's, as transformers' MoE
+    models compute it with ``output_router_logits``) over the routers' (N, E) logits of one forward,
+    counting the tokens of ``token_mask`` (N,) only (default: all). transformers' function, so the
+    loss is the one the model was trained with."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    return load_balancing_loss_func(tuple(logits), num_experts, top_k, token_mask)
