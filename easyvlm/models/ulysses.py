@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from easyvlm.models.linear_attention import has_linear_attention
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -108,8 +110,6 @@ def ulysses_problem(
         return f"{key}={ulysses_size} must be >= 1 (1 = no sequence parallelism)"
     if ulysses_size == 1:
         return None
-    from easyvlm.models.linear_attention import has_linear_attention
-
     if has_linear_attention(hf_text_config):  # Qwen3.5's gated DeltaNet: a slice would start from a zero state
         return (f"{key}={ulysses_size}: the model has linear-attention layers, whose recurrent state runs along the "
                 f"whole sequence; Ulysses sequence parallelism splits the sequence over ranks: set {key}=1")

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 from easyvlm.config.errors import Problem
 from easyvlm.config.schema import PPOConfig
+from easyvlm.models.linear_attention import has_linear_attention
+from easyvlm.models.moe_routing import is_moe_config
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 from easyvlm.rollout.kv_cache import min_cpu_kv_cache_bytes
 
@@ -39,8 +41,6 @@ def model_problems(cfg: PPOConfig, hf_config: Any, device: str,
         if r.tensor_parallel_size != 1:
             problems.append(Problem("worker.rollout.tensor_parallel_size", f"is {r.tensor_parallel_size}, but this run "
                                     "is on the CPU, where the engine runs in each worker's process on one rank; set 1"))
-        from easyvlm.models.linear_attention import has_linear_attention
-
         if r.name == "vllm" and has_linear_attention(hf_config):
             message = CPU_VLLM_LINEAR_ATTENTION.format(model=hf_config.model_type)
             problems.append(Problem("worker.rollout.name", message))
@@ -62,9 +62,6 @@ def architecture_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
     """Keys that only some decoders can honour: router replay and the load-balancing loss need an MoE
     router; Ulysses cannot split linear-attention layers (their recurrent state runs along the
     whole sequence, and a rank would start from a zero state mid-sequence)."""
-    from easyvlm.models.linear_attention import has_linear_attention
-    from easyvlm.models.moe_routing import is_moe_config
-
     problems, actor, model = [], cfg.worker.actor, hf_config.model_type
     if not is_moe_config(hf_config):
         if actor.router_replay != "disabled":

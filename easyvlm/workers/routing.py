@@ -19,16 +19,14 @@ from torch import Tensor
 from easyvlm.data.batch import ROUTED_EXPERTS_KEY, Batch
 from easyvlm.models.moe_routing import FREE, RoutingState, expert_load, load_balancing_loss
 
-REPLAY_MODES = ("disabled", "R2", "R3")
-
-
 @contextmanager
 def routed_forward(setup: Any, batch: Batch, token_index: Tensor | None,
                    padded_to_packed: Tensor | None) -> Iterator[None]:
     """Run one model forward over ``batch`` (packed: ``token_index``, ``padded_to_packed`` of
-    ``pack_inputs``; padded: None) with the routing its ``setup`` (``forward.ForwardSetup``) asks for: replay ``routed_experts``
-    unless the setup's mode is disabled, keep the router logits in a training pass. Afterwards
-    ``setup.routing.batch_routing`` holds the (B, L, layers, k) choices. Dense models: nothing."""
+    ``pack_inputs``; padded: None) with the routing its ``setup`` (``forward.ForwardSetup``) asks
+    for: replay ``routed_experts`` unless the setup's mode is disabled, keep the router logits in a
+    training pass. Afterwards ``setup.routing.batch_routing`` holds the (B, L, layers, k) choices
+    and ``token_mask`` the forward's sample tokens. Dense models: nothing."""
     state = setup.routing
     if state is None:
         yield
