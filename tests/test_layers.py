@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("builtin",),
     ("plan",),
     ("viewer",),
+    ("run",),
+    ("pipeline",),
     ("trainer",),
     ("eval", "rm"),
 ]

@@ -1,7 +1,9 @@
 """``python -m easyvlm.eval config=... worker.actor.model.model_path=<model> data.val_files=...``
 
 Samples k = ``worker.rollout.val_override_config.n`` answers per prompt of ``data.val_files`` with
-the configured rollout engine, scores them with the configured reward function(s) and reports
+the configured rollout engine, scores them as the trainer's validation does (the reward function(s),
+with ``worker.reward_model`` the reward model's score and with ``worker.judge`` the judge's verdict:
+the same generate-and-score pipeline, ``easyvlm.pipeline``) and reports
 mean@k, pass@k and the mean of every reward key (named as the trainer's validation names them),
 over all prompts and per data file (``data.val_files`` may be a directory of several).
 The model is a checkpoint (``global_step_<N>``, or a run directory: its latest), an exported
@@ -16,7 +18,9 @@ reproduces the trainer's last validation at that step.
 
 Writes ``<checkpoint>/eval/`` (else ``<trainer.save_checkpoint_path>/eval/``): ``summary.json`` and
 the rollout viewer's pages (``rollouts/index.html``); the summary is also the last stdout line.
-No Ray: the engine and the reward functions run in this process.
+The engine and the reward functions run in this process; Ray starts only for the reward model's
+worker group and the judge's engines. With ``worker.reward_model.normalize=running`` the scores are
+normalised by the checkpoint's running statistics (an exported model has none: raw scores).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     """(HF export dir, step) when ``model_path`` is a checkpoint or a directory of checkpoints;
     None for any other model. Exits 2 for a directory that is neither a model nor a checkpoint, for
     a checkpoint without an export, and for an export that fails the checkpoint's manifest."""
-    from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, MANIFEST, CheckpointError, checkpoint_info, resolve_checkpoint, verify_checkpoint
+    from easyvlm.run.checkpoint import HF_EXPORT_DIR, MANIFEST, CheckpointError, checkpoint_info, resolve_checkpoint, verify_checkpoint
 
     key = "worker.actor.model.model_path"
     path = Path(model_path)
@@ -58,31 +62,28 @@ def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     return export, int(checkpoint_info(checkpoint)["step"])
 
 
-def prepare(argv: Sequence[str]) -> tuple[Any, int, Path]:
-    """argv -> (run plan, step the seeds use, output directory); exits 2 on any config problem."""
+def prepare(argv: Sequence[str]) -> tuple[Any, int, Path, Path | None]:
+    """argv -> (run plan, step the seeds use, output directory, the checkpoint evaluated or None);
+    exits 2 on any config problem."""
     from easyvlm.models.paths import ModelNotFoundError
     from easyvlm.trainer.main import plan_run
 
     argv = [*argv, "trainer.val_only=true"]
     cfg = parse_and_validate(argv)
-    model_scored = [f"worker.{name}.enable" for name in ("reward_model", "judge") if getattr(cfg.worker, name).enable]
-    if model_scored:  # both run in Ray worker groups the evaluation does not start
-        exit_with_problems([Problem(model_scored[0], "is true, but `python -m easyvlm.eval` scores with rule rewards only "
-                                    "(no reward model or judge yet); evaluate with a rule reward (e.g. the rule reward "
-                                    "you logged with weight 0) and set it false")])
     found = checkpoint_model(cfg.worker.actor.model.model_path)
-    step, out_dir = 0, None
+    step, out_dir, checkpoint = 0, None, None
     if found is not None:
         export, step = found
+        checkpoint = export.parents[1]  # <checkpoint>/actor/huggingface
         argv.append(f"worker.actor.model.model_path={export}")
-        out_dir = export.parents[1] / EVAL_DIR  # <checkpoint>/eval
+        out_dir = checkpoint / EVAL_DIR
     try:
         plan = plan_run(argv)
     except ModelNotFoundError as err:  # e.g. a hub id that is not in the cache with HF_HUB_OFFLINE=1
         exit_with_problems([Problem("worker.actor.model.model_path", str(err))])
     if out_dir is None:
         out_dir = Path(plan.derived.save_checkpoint_path) / EVAL_DIR
-    return plan, step, out_dir
+    return plan, step, out_dir, checkpoint
 
 
 def row_files(dataset: Any) -> dict[str, str]:
@@ -95,7 +96,7 @@ def report(rows: Sequence[tuple[str, str, dict[str, float]]]) -> dict[str, Any]:
     """Counts, mean@k and pass@k, and the mean of every reward key named as the trainer's validation
     names it, over answers given as (file, prompt uid, scores)."""
     from easyvlm.eval.metrics import group_metrics
-    from easyvlm.trainer.metrics import val_metrics
+    from easyvlm.pipeline.generate_and_score import val_metrics
     from easyvlm.viewer.records import is_correct
 
     correct: dict[str, list[bool]] = {}
@@ -112,19 +113,24 @@ def report(rows: Sequence[tuple[str, str, dict[str, float]]]) -> dict[str, Any]:
     }
 
 
-def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
+def evaluate(plan: Any, step: int, out_dir: Path, checkpoint: Path | None = None) -> dict[str, Any]:
+    """Generate and score every prompt of ``data.val_files`` (the trainer's validation pipeline) and
+    write the summary and the rollout pages. ``checkpoint``: the checkpoint evaluated, if any (its
+    reward-model statistics are used)."""
     import gc
 
     from tqdm import tqdm
 
     from easyvlm.agents.setup import DriverRollout
     from easyvlm.data.dataloader import create_val_loader
-    from easyvlm.rewards.actor import build_reward_inputs
+    from easyvlm.pipeline.generate_and_score import generate_and_score
+    from easyvlm.pipeline.model_scorers import ModelScorers
+    from easyvlm.pipeline.scoring import LocalRewards, Scorer
     from easyvlm.rewards.manager import RewardManager
     from easyvlm.rollout.factory import build_rollout
-    from easyvlm.trainer.core import validation_prompts
+    from easyvlm.trainer.main import rank_resources, start_ray
     from easyvlm.viewer.pages import write_page
-    from easyvlm.viewer.records import build_samples, capture_rollouts
+    from easyvlm.viewer.records import build_samples
 
     cfg, bundle = plan.config, plan.bundle
     sampling = plan.rollout.val_sampling
@@ -134,27 +140,33 @@ def evaluate(plan: Any, step: int, out_dir: Path) -> dict[str, Any]:
     # the trainer's validation loader: the same batches (vLLM's numerics depend on what is batched together)
     tools = plan.agent.tool_schemas if plan.agent is not None else ()
     loader = create_val_loader(cfg.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, tools)
-    files = row_files(loader.dataset)
-    rows: list[tuple[str, str, dict[str, float]]] = []  # (file, prompt uid, scores) per answer
-    samples = []
-    root = out_dir / "rollouts"
+    skip_special = cfg.worker.reward.skip_special_tokens
+    rewards = RewardManager(plan.reward)
+    if plan.reward_model is not None or plan.judge is not None:  # both run in Ray processes
+        start_ray(plan)  # the trainer's: a local cluster, or the one trainer.ray_address / RAY_ADDRESS names
+    state = checkpoint / "trainer_state.pt" if checkpoint is not None else None
+    models = ModelScorers(plan.reward_model, plan.judge, rank_resources(plan), state)
     engine = build_rollout(plan.rollout)
     rollout = DriverRollout(plan, loader.dataset.encoder, engine.generate)  # the trainer's turns, tools included
-    rewards = RewardManager(plan.reward)
+
+    def generate(prompts: Any, sampling: Any) -> Any:
+        engine.wake_up()
+        return rollout.generate(prompts, sampling)
+
     try:
-        for index, prompts in enumerate(tqdm(loader, desc="easyvlm eval", unit="batch", file=sys.stderr)):
-            prompts = validation_prompts(prompts, plan.rollout.per_request_seed, cfg.worker.rollout.seed, step, index)
-            engine.wake_up()
-            batch = rollout.generate(prompts, sampling)
-            result = rewards.compute(build_reward_inputs(batch, bundle.tokenizer, cfg.worker.reward.skip_special_tokens))
-            rows += [(files[uid], uid, {key: values[i] for key, values in result.scores.items()})
-                     for i, uid in enumerate(batch["uid"])]
-            capture = capture_rollouts(step, "eval", batch, result.scores, result.overall)
-            samples += build_samples(capture, bundle.tokenizer, root, cfg.worker.reward.skip_special_tokens)
+        scorer = Scorer(LocalRewards(rewards), bundle.tokenizer, skip_special, models.scores, models.judge)
+        batches = tqdm(loader, desc="easyvlm eval", unit="batch", file=sys.stderr)
+        seed = cfg.worker.rollout.seed if plan.rollout.per_request_seed else None
+        scored = generate_and_score(batches, generate, sampling, scorer, step, "eval", seed, capture=True)
     finally:
         rewards.close()
+        models.close()
         del engine, rollout  # vLLM holds the weights and its KV cache until collected
         gc.collect()
+    files = row_files(loader.dataset)
+    rows = [(files[uid], uid, {key: values[i] for key, values in scored.scores.items()}) for i, uid in enumerate(scored.uids)]
+    root = out_dir / "rollouts"
+    samples = [sample for capture in scored.captures for sample in build_samples(capture, bundle.tokenizer, root, skip_special)]
     summary: dict[str, Any] = {
         "model": cfg.worker.actor.model.model_path,
         "data": cfg.data.val_files,
@@ -175,9 +187,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from easyvlm.data.loading import DataError
 
-    plan, step, out_dir = prepare(sys.argv[1:] if argv is None else argv)
+    plan, step, out_dir, checkpoint = prepare(sys.argv[1:] if argv is None else argv)
     try:
-        summary = evaluate(plan, step, out_dir)
+        summary = evaluate(plan, step, out_dir, checkpoint)
     except DataError as err:
         sys.stderr.write(f"easyvlm: data error: {err}\n")
         sys.exit(2)

@@ -234,7 +234,7 @@ class RewardModelTrainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
-        from easyvlm.trainer.checkpoint import CheckpointManager, latest_checkpoint, verify_checkpoint
+        from easyvlm.run.checkpoint import CheckpointManager, latest_checkpoint, verify_checkpoint
 
         t = self.cfg.trainer
         manager = CheckpointManager(self.save_dir, t.save_limit)
@@ -311,7 +311,7 @@ def _broadcast_str(value: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     from easyvlm.data.loading import DataError
-    from easyvlm.trainer.checkpoint import CheckpointError
+    from easyvlm.run.checkpoint import CheckpointError
 
     cfg = resolve(parse_config(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -44,6 +44,19 @@ def prompt_seeds(seed: int, key: tuple[int, ...], count: int) -> list[int]:
     return [mix_seeds(seed, *key, i) for i in range(count)]
 
 
+# the kinds of generation calls (the trainer's rounds, validation and eval), part of their sampling seeds
+TRAIN_CALL, VAL_CALL = 0, 1
+
+
+def seeded_prompts(prompts: Batch, seed: int, call: tuple[int, ...]) -> Batch:
+    """A copy of ``prompts`` with a sampling seed per prompt (``SEED_KEY``), derived from ``seed``
+    (worker.rollout.seed) and the generation call (kind, step, round or batch): a resumed run then
+    samples exactly what an uninterrupted run did."""
+    prompts = prompts.copy()
+    prompts[SEED_KEY] = prompt_seeds(seed, call, len(prompts))
+    return prompts
+
+
 def request_seed(prompt_seed: int, sample_index: int) -> int:
     """The seed of sample ``sample_index`` (j < n) of the prompt seeded ``prompt_seed``."""
     return mix_seeds(prompt_seed, sample_index)

@@ -3,7 +3,6 @@
 - group ids from prompt uids, sequence rewards placed on the last response token;
 - DAPO's online filtering (dynamic sampling): which prompt groups carry a learning signal, and
   the concatenation of the kept samples of several generation rounds;
-- per-request sampling seeds of a generation call.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch
 from torch import Tensor
 
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import SEED_KEY, prompt_seeds
 
 
 def group_ids_from_uids(uids: Sequence[Hashable]) -> Tensor:
@@ -84,23 +82,3 @@ def concat_rollouts(batches: Sequence[Batch], pad_token_id: int) -> Batch:
                     batch[key] = torch.cat([t.new_full((*t.shape[:-1], extra), value), t], dim=-1)
         padded.append(batch)
     return Batch.concat(padded)
-
-
-# the kinds of generation calls, part of their sampling seeds
-TRAIN_CALL, VAL_CALL = 0, 1
-
-
-def validation_prompts(prompts: Batch, per_request_seed: bool, seed: int, step: int, index: int) -> Batch:
-    """Validation batch ``index`` at ``step``, seeded as the trainer's validation seeds it (with
-    ``worker.rollout.per_request_seed``; else as it is): ``python -m easyvlm.eval`` uses the same
-    function, so it samples what the trainer's validation at that step sampled."""
-    return seeded_prompts(prompts, seed, (VAL_CALL, step, index)) if per_request_seed else prompts
-
-
-def seeded_prompts(prompts: Batch, seed: int, call: tuple[int, ...]) -> Batch:
-    """A copy of ``prompts`` with a sampling seed per prompt (``rollout.base.SEED_KEY``), derived
-    from ``seed`` (worker.rollout.seed) and the generation call (kind, step, round or batch): a
-    resumed run then samples exactly what an uninterrupted run did."""
-    prompts = prompts.copy()
-    prompts[SEED_KEY] = prompt_seeds(seed, call, len(prompts))
-    return prompts

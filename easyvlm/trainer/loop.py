@@ -25,10 +25,14 @@ from easyvlm.algorithms.rollout_correction import parse_rollout_correction, roll
 from easyvlm.data.batch import UPDATE_INPUT_KEYS, Batch
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.distributed.worker_group import Resources
+from easyvlm.pipeline.model_scorers import model_inputs
+from easyvlm.pipeline.scoring import ActorRewards, Scorer
 from easyvlm.plan.build import RunPlan
 from easyvlm.rewards.types import RewardResult
+from easyvlm.run.checkpoint import HF_EXPORT_DIR, CheckpointManager
+from easyvlm.run.plot import write_learning_curve
+from easyvlm.run.tracking import Tracker, data_order_log
 from easyvlm.trainer import core
-from easyvlm.trainer.checkpoint import HF_EXPORT_DIR, CheckpointManager
 from easyvlm.trainer.metrics import (
     data_metrics,
     response_metrics,
@@ -36,16 +40,14 @@ from easyvlm.trainer.metrics import (
     timed,
     timing_per_token_metrics,
 )
-from easyvlm.trainer.plot import write_learning_curve
-from easyvlm.trainer.tracking import Tracker, data_order_log
+from easyvlm.trainer.sampling import StepSampler
+from easyvlm.trainer.scoring import collect
+from easyvlm.trainer.topology import Workers
+from easyvlm.trainer.validation import validate
 from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
 from easyvlm.viewer.records import capture_rollouts
 from easyvlm.viewer.writer import RolloutWriter
 from easyvlm.workers.actor import update_is_on_policy
-from easyvlm.trainer.sampling import StepSampler
-from easyvlm.trainer.scoring import Scorer, collect
-from easyvlm.trainer.topology import Workers, model_inputs
-from easyvlm.trainer.validation import validate
 
 logger = logging.getLogger("easyvlm")
 # (B, K) each reward function's own overall, with algorithm.multi_objective_aggregation=normalize_then_sum
@@ -94,7 +96,7 @@ class Trainer:
         self.critic_sp = plan.critic.forward.ulysses_size if plan.critic is not None else 1
         # the reward actor starts first (it loads the reward files before anything heavy)
         self.workers = Workers(plan, resources, self.total_steps, getattr(train_loader.dataset, "encoder", None))
-        self.scorer = Scorer(self.workers.reward_actor, plan.bundle.tokenizer, records.skip_special_tokens,
+        self.scorer = Scorer(ActorRewards(self.workers.reward_actor), plan.bundle.tokenizer, records.skip_special_tokens,
                              self.workers.reward_model_scores, self.workers.judge)
         self.sampler = StepSampler(self.spec.rounds, self.workers, self.scorer, train_loader,
                                    plan.rollout.sampling, plan.bundle.tokens.pad)

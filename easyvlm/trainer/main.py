@@ -75,6 +75,14 @@ def start_ray(plan: RunPlan) -> Any:
     return ray
 
 
+def rank_resources(plan: RunPlan) -> Any:
+    """What each rank of a worker group gets: a GPU, or on the CPU an equal share of the cores."""
+    from easyvlm.distributed.worker_group import Resources
+
+    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
+    return Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
+
+
 def plan_run(argv: Sequence[str]) -> RunPlan:
     """argv -> the run plan, or exit 2 with every problem found (config, model files, device)."""
     try:
@@ -95,7 +103,7 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
 def open_tracker_or_exit(plan: RunPlan, num_train_prompts: int, resume_from: Path | None) -> Any:
     """The run's trackers, opened before Ray starts: a tracker that cannot start (a tracking URI it
     cannot use, a log directory it cannot write) is reported here, exit 2, before anything heavy."""
-    from easyvlm.trainer.checkpoint import checkpoint_info
+    from easyvlm.run.checkpoint import checkpoint_info
     from easyvlm.trainer.loop import open_tracker
 
     start_step = int(checkpoint_info(resume_from)["step"]) if resume_from is not None else 0
@@ -115,8 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
     from easyvlm.plan.dataloaders import plan_dataloaders
     from easyvlm.data.loading import DataError
-    from easyvlm.distributed.worker_group import Resources
-    from easyvlm.trainer.checkpoint import CheckpointError, resume_checkpoint
+    from easyvlm.run.checkpoint import CheckpointError, resume_checkpoint
     from easyvlm.trainer.loop import Trainer
 
     try:
@@ -132,9 +139,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         ray = start_ray(plan)
         if plan.config.trainer.device == "auto" and plan.device == "cpu" and ray.cluster_resources().get("GPU", 0) > 0:
             plan = build_plan(plan.config, "cuda")  # a GPU cluster joined from a machine without one
-        cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
-        resources = Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
-        trainer = Trainer(plan, train_loader, val_loader, resources, resume_from, tracker=tracker)
+        trainer = Trainer(plan, train_loader, val_loader, rank_resources(plan), resume_from, tracker=tracker)
     except BaseException:
         tracker.close()
         raise

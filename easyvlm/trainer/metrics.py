@@ -122,15 +122,6 @@ def reward_metrics(scores: Mapping[str, list[float]], prefix: str = "reward") ->
     return {f"{prefix}/{key}": float(torch.tensor(values, dtype=torch.float64).mean()) for key, values in scores.items() if values}
 
 
-def val_metrics(scores: Mapping[str, list[float]]) -> dict[str, float]:
-    """EasyR1's validation names: val/reward_score (overall) and val/<key>_reward for sub-scores."""
-    out = {}
-    for key, values in scores.items():
-        mean = float(torch.tensor(values, dtype=torch.float64).mean())
-        out["val/reward_score" if key == "overall" else f"val/{key}_reward"] = mean
-    return out
-
-
 def throughput_metrics(num_tokens: int, step_seconds: float, world_size: int) -> dict[str, float]:
     """perf/total_num_tokens (prompt + response, unpadded), perf/time_per_step (s) and
     perf/throughput: tokens per second per device."""

@@ -14,14 +14,13 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.data.dataloader import PromptDataLoader
+from easyvlm.pipeline.scoring import Scorer
+from easyvlm.rollout.base import TRAIN_CALL, seeded_prompts
 from easyvlm.specs import RoundsSpec, Sampling
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
-from easyvlm.trainer.scoring import Scorer, concat_results, select_result
+from easyvlm.trainer.scoring import concat_results, select_result
 from easyvlm.trainer.topology import Workers
-
-# the kinds of generation calls, part of their sampling seeds (StepSampler.seeded)
-TRAIN_CALL, VAL_CALL = core.TRAIN_CALL, core.VAL_CALL
 
 
 class OnlineFilterError(RuntimeError):
@@ -147,7 +146,7 @@ class StepSampler:
         """``prompts`` seeded for one generation call when worker.rollout.per_request_seed is on."""
         if not self.spec.per_request_seed:
             return prompts
-        return core.seeded_prompts(prompts, self.spec.seed, call)
+        return seeded_prompts(prompts, self.spec.seed, call)
 
     def _refill(self, first: Batch):
         """The step's prompts, then more prompts from the loader for further filtering rounds."""

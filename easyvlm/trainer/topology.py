@@ -10,15 +10,15 @@ from typing import Any
 import ray
 
 from easyvlm.agents.setup import DriverRollout
-from easyvlm.data.batch import MODEL_INPUT_KEYS, Batch
 from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
+from easyvlm.pipeline.model_scorers import start_reward_model
 from easyvlm.plan.build import RunPlan
 from easyvlm.plan.roles import with_total_steps
 from easyvlm.rewards.actor import create_reward_actor
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.utils.memory import cuda_peak_metrics, peak_rss_bytes, peak_rss_metrics
-from easyvlm.workers.hybrid import CriticHost, HybridWorker, RewardModelHost, RolloutHost
+from easyvlm.workers.hybrid import CriticHost, HybridWorker, RolloutHost
 
 
 class Workers:
@@ -66,13 +66,8 @@ class Workers:
             critic = partial(CriticHost, with_total_steps(plan.critic, total_steps))
             self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
         if plan.reward_model is not None:
-            self.reward_model = WorkerGroup("reward_model", resources, partial(RewardModelHost, plan.reward_model),
-                                            pg=self.hybrid.pg, share=share)
-            group = self.reward_model
-            self.reward_model_scores = RewardModelScores(
-                lambda batch: group.dispatch("compute_scores", model_inputs(batch)),
-                plan.reward_model.normalize,
-            )
+            self.reward_model, self.reward_model_scores = start_reward_model(plan.reward_model, resources,
+                                                                             pg=self.hybrid.pg, share=share)
 
     def placement(self, nnodes: int) -> list[str]:
         """Where the ranks and the reward actor run, when the run spans nodes (nothing on one node):
@@ -121,7 +116,3 @@ class Workers:
         if self.judge is not None:
             self.judge.close()
 
-
-def model_inputs(batch: Batch) -> Batch:
-    """What the workers' forward passes read (tensors and vision inputs), without the rest."""
-    return batch.select(*[k for k in MODEL_INPUT_KEYS if k in batch], meta=False)

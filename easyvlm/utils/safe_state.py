@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-CONVERT_COMMAND = "python -m easyvlm.trainer.convert_checkpoint"
+CONVERT_COMMAND = "python -m easyvlm.run.convert_checkpoint"
 
 
 class UnsafeStateError(ValueError):

@@ -45,3 +45,18 @@ def test_pass_at_k_is_the_chance_over_every_draw_not_the_plug_in():
                 assert pass_at_k(n, c, k) == pytest.approx(counted)
                 if 0 < c < n and k > 1:
                     assert pass_at_k(n, c, k) != pytest.approx(1 - (1 - c / n) ** k)
+
+
+def test_report_counts_each_prompt_once_and_names_reward_keys_as_validation_does():
+    from easyvlm.eval.run import report
+
+    # 2 answers each: prompt a 1 of 2 correct (accuracy 1, 0), prompt b 2 of 2 (1, 1).
+    # mean@2 = (1/2 + 1) / 2 = 0.75 = pass@1; pass@2 = (1 - C(1,2)/C(2,2) + 1) / 2 = (1 + 1) / 2 = 1;
+    # val/accuracy_reward = 3/4; val/reward_score = mean(0.9, 0.1, 0.9, 0.8) = 0.675
+    rows = [("f1", "a", {"overall": 0.9, "accuracy": 1.0}), ("f1", "a", {"overall": 0.1, "accuracy": 0.0}),
+            ("f2", "b", {"overall": 0.9, "accuracy": 1.0}), ("f2", "b", {"overall": 0.8, "accuracy": 1.0})]
+    assert report(rows) == pytest.approx({"prompts": 2, "samples": 4, "mean@2": 0.75, "pass@1": 0.75, "pass@2": 1.0,
+                                          "val/reward_score": 0.675, "val/accuracy_reward": 0.75})
+    # one file's rows: prompt b alone, both answers correct
+    assert report(rows[2:]) == pytest.approx({"prompts": 1, "samples": 2, "mean@2": 1.0, "pass@1": 1.0, "pass@2": 1.0,
+                                              "val/reward_score": 0.85, "val/accuracy_reward": 1.0})

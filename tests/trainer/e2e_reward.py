@@ -17,3 +17,10 @@ def compute_score(reward_inputs: list[dict]) -> list[dict[str, float]]:
         accuracy = float(zlib.crc32(item["response"].encode("utf-8", "replace")) % 2)
         scores.append({"overall": accuracy, "accuracy": accuracy})
     return scores
+
+
+def parse_parity(verdict: str, sample: dict) -> float:
+    """A judge verdict parser (worker.judge.parser) that reads any verdict: the parity of a hash of the
+    verdict and the judged response, so the tiny judge's few verdicts (colour words, not yes or no)
+    score 0 and 1 alike, and a change of either changes the score."""
+    return float(zlib.crc32((verdict + "\n" + sample["response"]).encode("utf-8", "replace")) % 2)

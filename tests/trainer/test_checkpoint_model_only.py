@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from easyvlm.trainer.checkpoint import (
+from easyvlm.run.checkpoint import (
     HF_EXPORT_DIR,
     CheckpointError,
     CheckpointManager,

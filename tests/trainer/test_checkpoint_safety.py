@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from easyvlm.trainer.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
+from easyvlm.run.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
 from easyvlm.utils.safe_state import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -175,7 +175,7 @@ def damage(file: Path, how: str) -> None:
 @pytest.mark.parametrize("kind", list(FILES))
 def test_each_damaged_file_is_named(copy, kind, how):
     from easyvlm.config.schema import TrainerConfig
-    from easyvlm.trainer.checkpoint import resume_checkpoint
+    from easyvlm.run.checkpoint import resume_checkpoint
 
     damage(copy / FILES[kind], how)
     expected = {"missing": "is missing", "truncated": "truncated", "altered": "was altered"}[how]
@@ -230,7 +230,7 @@ def test_an_old_format_checkpoint_is_refused_then_converted_and_resumed(checkpoi
     """The format before this one: numpy's RNG state as an ndarray, Python's as a tuple, no manifest."""
     import ray
 
-    from easyvlm.trainer.convert_checkpoint import main as convert
+    from easyvlm.run.convert_checkpoint import main as convert
     from easyvlm.trainer.main import main as train
 
     random.seed(11), np.random.seed(12)
@@ -241,7 +241,7 @@ def test_an_old_format_checkpoint_is_refused_then_converted_and_resumed(checkpoi
         torch.save(state, copy / rel)
     (copy / MANIFEST).unlink()
     err = run_main_expecting_refusal(checkpoint[1], copy, monkeypatch, capsys)
-    assert f"{copy} has no MANIFEST.json" in err and f"python -m easyvlm.trainer.convert_checkpoint {copy}" in err
+    assert f"{copy} has no MANIFEST.json" in err and f"python -m easyvlm.run.convert_checkpoint {copy}" in err
 
     assert convert([str(copy.parent)]) == 0
     assert "converted (actor/extra_state_rank0.pt, trainer_state.pt)" in capsys.readouterr().out

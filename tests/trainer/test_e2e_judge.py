@@ -135,29 +135,36 @@ def test_parse_yes_no():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("e2e_ray")
-def test_a_judged_run_trains_two_steps(e2e_base_args, tmp_path):
+def test_a_judged_run_trains_two_steps_and_its_eval_is_judged_alike(e2e_base_args, tmp_path):
+    from easyvlm.eval.run import main as eval_main
     from easyvlm.trainer.main import main
 
-    main([
-        *e2e_base_args, f"trainer.save_checkpoint_path={tmp_path}", "worker.reward.reward_function=null",
+    # per-request seeds: the eval of the checkpoint samples what its validation sampled; the parity
+    # parser reads any verdict (the tiny judge answers colour words), so scores are 0 and 1
+    judged = [
+        *e2e_base_args, "worker.reward.reward_function=null",
         "worker.reward.reward_functions=[{reward_function: '%s:compute_score', weight: 1.0}, "
         "{reward_function: '%s:compute_score', weight: 0.0}]" % (
             REPO_ROOT / "reward_functions" / "judge.py", REPO_ROOT / "reward_functions" / "synthetic.py"),
         "worker.judge.enable=true", "worker.judge.model_path=builtin:tiny-qwen2.5-vl-synthetic",
-        f"worker.judge.template={TEMPLATE}", f"worker.judge.parser={PARSER}", "worker.judge.on_error=zero",
+        f"worker.judge.template={TEMPLATE}", f"worker.judge.parser={Path(__file__).parent / 'e2e_reward.py'}:parse_parity",
         "worker.judge.max_tokens=4", "worker.judge.max_prompt_length=256", "worker.judge.min_pixels=3136",
         "worker.judge.max_pixels=50176", "worker.judge.num_workers=1", "worker.judge.timeout=120",
         "worker.judge.cache_size=1000", "worker.judge.engine=vllm",
-    ])
+        "worker.rollout.per_request_seed=true", "worker.rollout.enable_chunked_prefill=false",
+    ]
+    main([*judged, f"trainer.save_checkpoint_path={tmp_path}", "trainer.val_freq=2", "trainer.save_freq=2"])
     rows = [json.loads(line) for line in (tmp_path / "experiment_log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         # 16 samples per step (4 prompts x 4), judged in one batched call on the one engine
         assert row["judge/requests"] == 16 and row["judge/calls"] == (1 if row["judge/cache_hits"] < 16 else 0)
-        assert row["judge/parse_failures"] <= 16 and row["judge/timeouts"] == 0
+        assert row["judge/parse_failures"] == 0 and row["judge/timeouts"] == 0
         assert row["reward/overall"] == pytest.approx(row["reward/judge/judge"], abs=1e-6)
-    # the tiny judge answers colour words, not yes or no: its verdicts fail to parse and are counted
-    assert sum(row["judge/parse_failures"] for row in rows) > 0
+    assert 0 < rows[-1]["val/judge/judge_reward"] < 1  # verdicts of both parities: the comparison bites
+    summary = eval_main([*judged, f"worker.actor.model.model_path={tmp_path / 'global_step_2'}"])
+    assert summary["val/judge/judge_reward"] == rows[-1]["val/judge/judge_reward"]
+    assert summary["val/reward_score"] == rows[-1]["val/reward_score"]
 
 
 JUDGE_KEYS = [

@@ -1,6 +1,7 @@
 """End-to-end RLHF: the policy trains on a reward model's score (trained and exported by
 ``python -m easyvlm.rm``), through ``main``, with GRPO and with PPO + critic (three worker groups
-on one device)."""
+on one device); ``python -m easyvlm.eval`` of the GRPO run's checkpoint scores with the reward
+model as the trainer's validation did."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# per-request seeds and no chunked prefill: an eval of a checkpoint samples what its validation sampled
+EVAL_SEEDS = ["worker.rollout.per_request_seed=true", "worker.rollout.enable_chunked_prefill=false"]
 
 
 def rlhf_args(rm_path: str) -> list[str]:
@@ -30,7 +33,7 @@ class TestRewardModelRuns:
         from easyvlm.trainer.main import main
 
         extra = ["algorithm.adv_estimator=gae", "worker.critic.model.model_path=builtin:tiny-qwen2.5-vl",
-                 "worker.critic.global_batch_size=4"] if estimator == "gae" else []
+                 "worker.critic.global_batch_size=4"] if estimator == "gae" else [*EVAL_SEEDS, "trainer.val_freq=2"]
         main([*e2e_base_args, *rlhf_args(exported_reward_model), f"trainer.save_checkpoint_path={tmp_path}",
               "worker.reward_model.normalize=running", "trainer.save_freq=2", *extra])
         rows = [json.loads(line) for line in (tmp_path / "experiment_log.jsonl").read_text().splitlines()]
@@ -47,3 +50,20 @@ class TestRewardModelRuns:
 
         state = load_state(tmp_path / "global_step_2" / "trainer_state.pt")
         assert state["reward_model_scores"]["count"] == 32.0
+        if estimator == "grpo":
+            self.check_eval_matches_validation(rows[-1], e2e_base_args, exported_reward_model, tmp_path)
+
+    @staticmethod
+    def check_eval_matches_validation(last: dict, e2e_base_args, exported_reward_model, run_dir: Path) -> None:
+        """The eval of the step-2 checkpoint samples the validation's answers (same seeds) and scores
+        them with the same reward model, normalised by the checkpoint's running statistics: the
+        trainer's validation metrics at step 2, to the last bit."""
+        from easyvlm.eval.run import main as eval_main
+
+        summary = eval_main([*e2e_base_args, *rlhf_args(exported_reward_model), *EVAL_SEEDS,
+                             "worker.reward_model.normalize=running",
+                             f"worker.actor.model.model_path={run_dir / 'global_step_2'}"])
+        rm_key = "val/reward_model/reward_model_reward"
+        assert last[rm_key] != 0.0  # normalised by 32 training scores, not by none: a mean away from 0
+        assert summary[rm_key] == last[rm_key] and summary["val/reward_score"] == last["val/reward_score"]
+        assert summary["val/synthetic/accuracy_reward"] == last["val/synthetic/accuracy_reward"]

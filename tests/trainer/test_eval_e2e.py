@@ -67,14 +67,3 @@ def test_config_errors_exit_2_before_any_model_loads(e2e_base_args, e2e_env, tmp
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "data.val_files" in result.stderr
-
-
-def test_a_judge_or_reward_model_is_refused_before_any_model_loads(e2e_base_args, tmp_path, capsys):
-    repo = Path(__file__).resolve().parents[2]
-    judge = ["worker.judge.enable=true", "worker.judge.model_path=builtin:tiny-qwen2.5-vl",
-             f"worker.judge.template={repo / 'format_prompts' / 'judge.jinja'}",
-             f"worker.judge.parser={repo / 'reward_functions' / 'judge.py'}:parse_yes_no"]
-    with pytest.raises(SystemExit) as exit_info:
-        eval_main([*e2e_base_args, *judge, f"trainer.save_checkpoint_path={tmp_path}"])
-    assert exit_info.value.code == 2
-    assert "worker.judge.enable: is true, but `python -m easyvlm.eval` scores with rule rewards only" in capsys.readouterr().err

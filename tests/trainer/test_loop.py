@@ -19,7 +19,9 @@ from plan_testing import plan_for
 
 from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
-from easyvlm.trainer import loop, sampling, scoring, topology, validation
+from easyvlm.pipeline import model_scorers
+from easyvlm.pipeline import scoring as pipeline_scoring
+from easyvlm.trainer import loop, sampling, scoring, topology
 from easyvlm.trainer.loop import Trainer
 from easyvlm.trainer.sampling import OnlineFilterError
 
@@ -181,8 +183,9 @@ def make_trainer(monkeypatch, tiny_model_path, tmp_path, *overrides, rows=16, va
         wait=lambda refs, num_returns, timeout: (list(refs), []),  # every answer is there at once
     )
     monkeypatch.setattr(topology, "WorkerGroup", group)
+    monkeypatch.setattr(model_scorers, "WorkerGroup", group)
     monkeypatch.setattr(topology, "create_reward_actor", reward_actor)
-    for module in (loop, sampling, scoring, topology, validation):  # every driver module that calls Ray
+    for module in (loop, sampling, scoring, topology, pipeline_scoring):  # every driver module that calls Ray
         monkeypatch.setattr(module, "ray", fake_ray)
     size = plan.derived.prompts_per_generation_round
     val = FakeLoader(val_rows, val_rows, prefix="v") if val_rows else None

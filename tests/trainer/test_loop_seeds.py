@@ -1,13 +1,11 @@
-"""core.seeded_prompts: the sampling seeds the loop attaches to a generation call's prompts."""
+"""rollout.base.seeded_prompts: the sampling seeds the loop attaches to a generation call's prompts."""
 
 from __future__ import annotations
 
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import SEED_KEY, mix_seeds
-from easyvlm.trainer.core import seeded_prompts
-from easyvlm.trainer.sampling import TRAIN_CALL, VAL_CALL
+from easyvlm.rollout.base import SEED_KEY, TRAIN_CALL, VAL_CALL, mix_seeds, seeded_prompts
 
 
 def test_seeds_follow_the_call_and_leave_the_prompts_alone():

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from easyvlm.pipeline.generate_and_score import val_metrics
 from easyvlm.trainer import metrics as metrics_module
 from easyvlm.trainer.metrics import (
     data_metrics,
@@ -15,7 +16,6 @@ from easyvlm.trainer.metrics import (
     throughput_metrics,
     timed,
     timing_per_token_metrics,
-    val_metrics,
 )
 
 NAN = float("nan")

@@ -1,6 +1,6 @@
 import pytest
 
-from easyvlm.trainer.checkpoint import CheckpointError, CheckpointManager, resolve_checkpoint
+from easyvlm.run.checkpoint import CheckpointError, CheckpointManager, resolve_checkpoint
 
 
 def save(mgr: CheckpointManager, step: int, score=None):
@@ -47,7 +47,7 @@ def test_resolve_checkpoint_error_names_the_path(tmp_path):
 
 def test_resume_checkpoint_follows_load_path_then_the_newest(tmp_path):
     from easyvlm.config.schema import TrainerConfig
-    from easyvlm.trainer.checkpoint import resume_checkpoint
+    from easyvlm.run.checkpoint import resume_checkpoint
 
     run, other = CheckpointManager(tmp_path / "run"), CheckpointManager(tmp_path / "other")
     save(run, 2)

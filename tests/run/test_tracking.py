@@ -15,10 +15,10 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from easyvlm.trainer import tracking
+from easyvlm.run import tracking
 from easyvlm.config import checks
 from easyvlm.config.checks import missing_logger_packages
-from easyvlm.trainer.tracking import Generation, Tracker, wandb_needs_offline
+from easyvlm.run.tracking import Generation, Tracker, wandb_needs_offline
 
 CONFIG = {"trainer": {"project_name": "proj", "lr": 0.001}, "algorithm": {"adv_estimator": "grpo"}}
 SAMPLES = [Generation("1+1=?", "2", "2", 1.0), Generation("2+2=?", "5", "4", 0.0)]

@@ -1,6 +1,6 @@
 """Convert checkpoints of older easyvlm versions to the safe-state format.
 
-    python -m easyvlm.trainer.convert_checkpoint CHECKPOINT_OR_SAVE_DIR
+    python -m easyvlm.run.convert_checkpoint CHECKPOINT_OR_SAVE_DIR
 
 Older versions kept numpy's random-generator state as an ndarray in ``trainer_state.pt`` and
 ``<role>/extra_state_rank<r>.pt`` (which a ``weights_only`` load refuses) and wrote no
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from easyvlm.trainer.checkpoint import MANIFEST, CheckpointError, completed_steps, verify_checkpoint, write_manifest
+from easyvlm.run.checkpoint import MANIFEST, CheckpointError, completed_steps, verify_checkpoint, write_manifest
 from easyvlm.utils.safe_state import UnsafeStateError, read_dcp_metadata, refusal_reason
 
 
@@ -93,7 +93,7 @@ def convert_checkpoint(path: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m easyvlm.trainer.convert_checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m easyvlm.run.convert_checkpoint", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", type=Path, help="a global_step_<N> checkpoint, or a save directory holding several")
     args = parser.parse_args(argv)
     path: Path = args.path

@@ -1,7 +1,7 @@
 """Plot a run's rewards and validation scores: every ``reward/*`` and ``val/*`` key it logged
 (counts aside: they share no scale with rewards).
 
-    python -m easyvlm.trainer.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
+    python -m easyvlm.run.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
 
 Two panels: the training rewards per step (the sampled responses' ``reward/*`` means) and the
 validation scores (``val/*``, at each validation); a run without validation gets the first alone. Without OUT the figure goes next to the log as
@@ -96,14 +96,14 @@ def plot(log_path: Path, out_path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) not in (1, 2):
-        raise SystemExit("usage: python -m easyvlm.trainer.plot LOG.jsonl [OUT.png]")
+        raise SystemExit("usage: python -m easyvlm.run.plot LOG.jsonl [OUT.png]")
     log = Path(argv[0])
     if not log.is_file():
-        raise SystemExit(f"easyvlm.trainer.plot: no log at {log}; a run writes <save_checkpoint_path>/experiment_log.jsonl")
+        raise SystemExit(f"easyvlm.run.plot: no log at {log}; a run writes <save_checkpoint_path>/experiment_log.jsonl")
     out = Path(argv[1]) if len(argv) == 2 else log.parent / CURVE_FILE
     written = plot(log, out)
     if written is None:
-        raise SystemExit(f"easyvlm.trainer.plot: {log} has no reward/ or val/ values to plot")
+        raise SystemExit(f"easyvlm.run.plot: {log} has no reward/ or val/ values to plot")
     print(f"wrote {written}")
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from easyvlm.trainer.plot import curve_points, main, panel_series, read_log, write_learning_curve
+from easyvlm.run.plot import curve_points, main, panel_series, read_log, write_learning_curve
 
 ROWS = [
     {"step": 0, "val/accuracy_reward": 0.25},
