@@ -446,3 +446,6 @@ class DriverSpec:
     records: RecordsSpec
     entropy_control: Optional[EntropyControlSpec] = None
     """Set when ``worker.actor.use_adaptive_entropy`` is on (else the actor keeps ``entropy_coeff``)."""
+    stages: tuple[str, ...] = ()
+    """The batch stages between sampling and the end of the update, in order
+    (``easyvlm.plan.stages.batch_stages``; run by ``easyvlm.trainer.stages``)."""

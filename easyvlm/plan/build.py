@@ -38,6 +38,7 @@ from easyvlm.specs import (
 )
 from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
 from easyvlm.plan.driver import driver_spec
+from easyvlm.plan.stages import batch_stages
 from easyvlm.plan.models import load_bundle
 from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, reward_model_spec, rollout_spec
 
@@ -153,21 +154,24 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
     if problems:
         raise ConfigError(problems)
     rollout = rollout_spec(cfg, derived, bundle, device)
+    actor = actor_spec(cfg, derived, bundle)
+    critic = critic_spec(cfg, derived, bundle) if derived.use_critic else None
+    driver = driver_spec(cfg, derived)
     return RunPlan(
         config=cfg,
         derived=derived,
         device=device,
         bundle=bundle,
-        actor=actor_spec(cfg, derived, bundle),
+        actor=actor,
         ref=ref_spec(cfg, bundle) if derived.use_reference else None,
-        critic=critic_spec(cfg, derived, bundle) if derived.use_critic else None,
+        critic=critic,
         rollout=rollout,
         agent=agent_spec(cfg, bundle),
         reward=reward,
         reward_model=reward_model_spec(cfg, bundle),
         judge=judge_spec(cfg, rollout),
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
-        driver=driver_spec(cfg, derived),
+        driver=dataclasses.replace(driver, stages=batch_stages(driver, actor, critic)),
     )
 
 

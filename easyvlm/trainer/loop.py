@@ -1,7 +1,8 @@
 """The single-controller RL loop. `Trainer.fit` reads top to bottom as the data flow of one step:
 
-    generate -> reward (async) -> old log-probs -> ref log-probs -> values -> [online filtering]
-    -> KL in reward -> advantages -> critic update -> actor update -> validation -> checkpoint
+    generate [online filtering] -> reward (async) -> the plan's batch stages (old log-probs, ref
+    log-probs, values, rewards, KL in reward, advantages, critic update, actor update, ...: see
+    easyvlm.trainer.stages) -> validation -> checkpoint
 
 The driver holds no model: every heavy call goes to a worker group through a `Batch`. The math in
 between is pure functions (`easyvlm.algorithms`, `easyvlm.trainer.core`).
@@ -18,17 +19,13 @@ import ray
 import torch
 
 from easyvlm.agents.loop import TRAJECTORY_KEY, trajectory_metrics
-from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, build_kl_controller, get_advantage, kl_penalty
+from easyvlm.algorithms import build_kl_controller
 from easyvlm.algorithms.entropy import AdaptiveEntropyController
-from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
-from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
-from easyvlm.data.batch import UPDATE_INPUT_KEYS, Batch
+from easyvlm.data.batch import Batch
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.distributed.worker_group import Resources
-from easyvlm.pipeline.model_scorers import model_inputs
 from easyvlm.pipeline.scoring import ActorRewards, Scorer
 from easyvlm.plan.build import RunPlan
-from easyvlm.rewards.types import RewardResult
 from easyvlm.run.checkpoint import HF_EXPORT_DIR, CheckpointManager
 from easyvlm.run.plot import write_learning_curve
 from easyvlm.run.tracking import Tracker, data_order_log
@@ -41,19 +38,15 @@ from easyvlm.trainer.metrics import (
     timing_per_token_metrics,
 )
 from easyvlm.trainer.sampling import StepSampler
-from easyvlm.trainer.scoring import collect
+from easyvlm.trainer.stages import StepState, build_stages
 from easyvlm.trainer.topology import Workers
 from easyvlm.trainer.validation import validate
 from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
 from easyvlm.viewer.records import capture_rollouts
 from easyvlm.viewer.writer import RolloutWriter
-from easyvlm.workers.actor import update_is_on_policy
 
 logger = logging.getLogger("easyvlm")
 # (B, K) each reward function's own overall, with algorithm.multi_objective_aggregation=normalize_then_sum
-FUNCTION_SCORES = "reward_function_scores"
-
-
 class Trainer:
     """The driver's loop over a `RunPlan`: it drives the run's workers (`Workers`), its step sampler
     (`StepSampler`) and scorer (`Scorer`) with the plan's `DriverSpec`. ``train_loader`` hands out
@@ -78,13 +71,6 @@ class Trainer:
         ent = self.spec.entropy_control  # worker.actor.use_adaptive_entropy: the actor's coefficient, per step
         self.entropy_ctrl = (AdaptiveEntropyController(ent.init_coeff, ent.target, ent.delta, ent.coeff_min, ent.coeff_max)
                              if ent is not None else None)
-        self.advantage_fn = get_advantage(adv.estimator)
-        if adv.multi_objective_aggregation == "normalize_then_sum" and adv.estimator == "grpo":
-            self.advantage_fn = score_as_advantage  # GDPO's score is grpo's advantage as it is (TRL's)
-        rc = adv.rollout_correction  # checked by the config check, so parsing cannot fail here
-        self.correction = parse_rollout_correction(
-            rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize, rc.rollout_rs, rc.rollout_rs_threshold
-        )
         records = self.spec.records
         self.ckpt = CheckpointManager(records.run_dir, records.save_limit)
         self.global_step = 0
@@ -100,6 +86,7 @@ class Trainer:
                              self.workers.reward_model_scores, self.workers.judge)
         self.sampler = StepSampler(self.spec.rounds, self.workers, self.scorer, train_loader,
                                    plan.rollout.sampling, plan.bundle.tokens.pad)
+        self.stages = build_stages(self.spec.stages, self)  # what the step does to its batch, in order
 
     def placement(self) -> list[str]:
         """Where the ranks and the reward actor run, when the run spans nodes (nothing on one node)."""
@@ -190,19 +177,20 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, prompts: Batch, pending: Future | None = None) -> dict[str, float]:
         """One step on ``prompts``; ``pending``: their generation, started during the last step
-        (worker.rollout.one_step_off), else they are generated now."""
+        (worker.rollout.one_step_off), else they are generated now. Then the plan's batch stages
+        (``easyvlm.trainer.stages``): experience passes while the rewards run, rewards, advantages,
+        updates."""
         metrics: dict[str, float] = {}
         with timed("step", metrics):
             batch, reward = self._samples(prompts, pending, metrics)  # + their rewards, started
-            batch = self._experience(batch, metrics)  # old / ref log-probs, values, while rewards run
-            result, seq_rewards = self._rewards(batch, reward, metrics)
-            with timed("adv", metrics):
-                batch = self._advantages(batch, seq_rewards, metrics)
-            self._update(batch, metrics)
-        metrics.update(self._step_metrics(batch, seq_rewards, metrics))
+            state = StepState(self.global_step, prompts, batch, reward, metrics)
+            for _, stage in self.stages:
+                stage(state)
+        metrics.update(self._step_metrics(state.batch, state.scores, metrics))
         if self.viewer is not None and self.global_step % self.spec.records.rollout_log_freq == 0:
             # plain lists and references here; the page is written in the viewer's thread
-            self.viewer.submit([capture_rollouts(self.global_step, "train", batch, result.scores, result.overall)])
+            self.viewer.submit([capture_rollouts(self.global_step, "train", state.batch, state.result.scores,
+                                                 state.result.overall)])
         return metrics
 
     def _samples(self, prompts: Batch, pending: Future | None, metrics: dict[str, float]) -> tuple[Batch, Any]:
@@ -218,95 +206,7 @@ class Trainer:
             metrics["rollout/staleness_mean"] = float(staleness.mean())
             metrics["rollout/staleness_max"] = float(staleness.max())
         batch["group_ids"] = core.group_ids_from_uids(batch["uid"])
-        if self.spec.rounds.baseline:
-            with timed("gen_baseline", metrics):
-                batch["baseline_rewards"] = sampler.greedy_baseline(prompts, batch)
         return batch, reward
-
-    def _experience(self, batch: Batch, metrics: dict[str, float]) -> Batch:
-        """2. Old log-probs, reference log-probs and values (the reward actor works meanwhile). An
-        on-policy update (one PPO epoch, one mini-batch, no KL in the reward) needs no old log-probs:
-        the actor uses its update's own forward pass, detached (then no timing_s/old is logged). The
-        rollout correction needs them in the driver; its bypass mode takes the sampler's."""
-        adv, workers = self.spec.advantage, self.workers
-        inputs = model_inputs(batch)
-        if adv.rollout_correction.bypass_mode:
-            batch["old_logprobs"] = batch["rollout_logprobs"]
-        elif self.correction.active or not update_is_on_policy(self.plan.actor.update.optimizer_steps_per_step,
-                                                               adv.kl_in_reward):
-            with timed("old", metrics):
-                batch = batch.union(workers.hybrid.dispatch("compute_logprobs", inputs, self.actor_sp))
-        # the full KL as a loss term is computed in the update itself (the reference's whole
-        # distribution per micro-batch, in the actor's process); every other KL reads ref log-probs
-        full_kl = adv.kl_penalty == "full"
-        if adv.use_reference and not (full_kl and adv.kl_in_loss):
-            with timed("ref", metrics):
-                ref = workers.hybrid.dispatch("compute_ref_logprobs", inputs, self.actor_sp, full_kl=full_kl)
-                batch = batch.union(ref)
-        if workers.critic is not None:
-            with timed("values", metrics):
-                batch = batch.union(workers.critic.dispatch("compute_values", inputs, self.critic_sp))
-        return batch
-
-    def _rewards(self, batch: Batch, reward: Any, metrics: dict[str, float]) -> tuple[RewardResult, torch.Tensor]:
-        """The step's reward results (waited for here) and one reward per sample (``overall``); with
-        normalize_then_sum, each reward function's own score goes into the batch for `_advantages`."""
-        with timed("reward", metrics):
-            result = collect(reward)
-        assert len(result.overall) == len(batch), "one reward per sample"
-        metrics.update(result.metrics)
-        metrics.update(self.scorer.take_step_metrics())
-        if self.spec.advantage.multi_objective_aggregation == "normalize_then_sum":
-            per_function = [result.scores[k] for k in result.function_keys]  # K lists of B
-            batch[FUNCTION_SCORES] = torch.tensor(per_function, dtype=torch.float32).T
-        return result, torch.tensor(result.overall, dtype=torch.float32)
-
-    def _advantages(self, batch: Batch, seq_rewards: torch.Tensor, metrics: dict[str, float]) -> Batch:
-        """3. Rewards per token, the KL in the reward, advantages and returns (pure functions)."""
-        adv = self.spec.advantage
-        if FUNCTION_SCORES in batch:  # normalize_then_sum: GDPO's score replaces the weighted sum
-            assert batch[FUNCTION_SCORES].shape[1] == len(adv.reward_weights), "one score per reward function"
-            seq_rewards = gdpo_scores(batch[FUNCTION_SCORES], adv.reward_weights, batch["group_ids"])
-        token_rewards = core.place_seq_rewards(seq_rewards, batch["response_mask"].bool())
-        if adv.kl_in_reward:
-            full_kl = adv.kl_penalty == "full"
-            kl = batch["ref_kl"] if full_kl else kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], adv.kl_penalty)
-            token_rewards, kl_metrics = apply_kl_penalty(token_rewards, kl, self.kl_ctrl.value, batch["response_mask"].bool())
-            self.kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
-            metrics.update({"critic/kl": kl_metrics["kl"], "critic/kl_coef": kl_metrics["kl_coef"]})
-        out = self.advantage_fn(
-            AdvantageInputs(
-                token_rewards=token_rewards,
-                response_mask=batch["response_mask"].bool(),
-                group_ids=batch["group_ids"],
-                values=batch.get("values"),
-                baseline_rewards=batch.get("baseline_rewards"),
-                gamma=adv.gamma,
-                lam=adv.lam,
-                norm_by_std=adv.norm_by_std,
-            )
-        )
-        batch["token_rewards"], batch["advantages"], batch["returns"] = token_rewards, out.advantages, out.returns
-        return batch
-
-    def _update(self, batch: Batch, metrics: dict[str, float]) -> None:
-        """4. The critic's update, then the actor's (after the critic's warm-up)."""
-        update_batch = batch.select(*[k for k in UPDATE_INPUT_KEYS if k in batch], meta=False)
-        workers = self.workers
-        if workers.critic is not None:
-            with timed("update_critic", metrics):
-                metrics.update(_rank0_metrics(workers.critic.dispatch_collect("update_critic", update_batch, self.critic_sp)))
-        if self.global_step > self.spec.advantage.critic_warmup:
-            actor_batch = self._corrected(update_batch, metrics) if self.correction.active else update_batch
-            ctrl = self.entropy_ctrl
-            entropy = {} if ctrl is None else {"entropy_coeff": ctrl.bonus_coeff}  # adaptive: this update's coefficient
-            with timed("update_actor", metrics):
-                metrics.update(_rank0_metrics(workers.hybrid.dispatch_collect("update_actor", actor_batch, self.actor_sp,
-                                                                              **entropy)))
-            if ctrl is not None:  # the coefficient this update applied; the controller steps on its entropy
-                metrics["actor/entropy_coeff"] = entropy["entropy_coeff"]
-                ctrl.update(metrics["actor/entropy"])
-            self.sampler.policy_version += 1
 
     def _step_metrics(self, batch: Batch, seq_rewards: torch.Tensor, metrics: dict[str, float]) -> dict[str, float]:
         """The step's data, length, timing-per-token and throughput metrics (EasyR1's names)."""
@@ -323,21 +223,6 @@ class Trainer:
         out["training/global_step"] = float(self.global_step)
         out["training/epoch"] = float(self.train_loader.epoch)
         return out
-
-    def _corrected(self, update_batch: Batch, metrics: dict[str, float]) -> Batch:
-        """The actor's update batch with the rollout correction: importance weights and the response
-        mask without the rejected tokens (which then leave the loss's normaliser too, as in verl).
-        The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
-        weights, keep, corr_metrics = rollout_correction(
-            update_batch["old_logprobs"], update_batch["rollout_logprobs"], update_batch["response_mask"].bool(),
-            self.correction,
-        )
-        metrics.update({f"rollout_corr/{k}": v for k, v in corr_metrics.items()})
-        actor_batch = update_batch.copy()
-        actor_batch["response_mask"] = keep
-        if weights is not None:
-            actor_batch["rollout_is_weights"] = weights
-        return actor_batch
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self) -> dict[str, float]:
@@ -400,14 +285,11 @@ class Trainer:
 def open_tracker(plan: RunPlan, total_steps: int, start_step: int) -> Tracker:
     """The run's trackers (``trainer.logger``), opened: a tracker that cannot start raises here."""
     records = plan.driver.records
+    config = {**records.config_record, "batch_stages": list(plan.driver.stages)}  # the recipe's stages, readable
     return Tracker(list(records.loggers), Path(records.run_dir), records.project_name, records.experiment_name,
-                   records.config_record, total_steps, start_step)
+                   config, total_steps, start_step)
 
 
 def _curve_row(step: int, metrics: dict[str, float]) -> dict:
     return {"step": step, **{k: v for k, v in metrics.items() if k.startswith(("reward/", "val/"))}}
 
-
-def _rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Workers all-reduce their metrics, so every rank holds the global values: take rank 0's."""
-    return dict(per_rank[0])

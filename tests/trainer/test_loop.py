@@ -329,15 +329,16 @@ def test_advantage_settings_reach_the_estimator(monkeypatch, tiny_model_path, tm
                               "algorithm.gamma=0.5", "algorithm.lam=0.7")
     from easyvlm.algorithms import get_advantage
 
-    assert trainer.advantage_fn is get_advantage("reinforce_plus_plus")
+    stage = dict(trainer.stages)["advantages"]
+    assert stage.estimate is get_advantage("reinforce_plus_plus")
     seen = []
-    estimator = trainer.advantage_fn
+    estimator = stage.estimate
 
     def spy(inputs):
         seen.append(inputs)
         return estimator(inputs)
 
-    trainer.advantage_fn = spy
+    stage.estimate = spy
     one_step(trainer)
     # norm_by_std is grpo's (its own test below); the check refuses norm_adv_by_std_in_grpo=false here
     assert (seen[0].gamma, seen[0].lam, seen[0].norm_by_std) == (0.5, 0.7, True)

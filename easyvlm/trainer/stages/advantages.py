@@ -1,0 +1,83 @@
+"""From rewards to advantages (pure functions of ``easyvlm.algorithms``, timed as ``adv``):
+GDPO's multi-objective score, rewards on the last token, the KL penalty in the reward, and the
+advantage estimator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage, kl_penalty
+from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
+from easyvlm.trainer import core
+from easyvlm.trainer.metrics import timed
+from easyvlm.trainer.stages.state import Stage, StepState
+
+
+def multi_objective(trainer: Any) -> Stage:
+    """``algorithm.multi_objective_aggregation=normalize_then_sum``: GDPO's score from each reward
+    function's own score replaces their weighted sum as the sequence reward."""
+    weights = trainer.spec.advantage.reward_weights
+
+    def run(state: StepState) -> None:
+        with timed("adv", state.metrics):
+            result = state.result
+            per_function = torch.tensor([result.scores[k] for k in result.function_keys], dtype=torch.float32).T
+            assert per_function.shape[1] == len(weights), "one score per reward function"
+            state.sequence_rewards = gdpo_scores(per_function, weights, state.batch["group_ids"])
+
+    return run
+
+
+def token_rewards(trainer: Any) -> Stage:
+    """Each sequence's reward on its last response token."""
+
+    def run(state: StepState) -> None:
+        with timed("adv", state.metrics):
+            state.token_rewards = core.place_seq_rewards(state.sequence_rewards, state.batch["response_mask"].bool())
+
+    return run
+
+
+def kl_in_reward(trainer: Any) -> Stage:
+    """The KL to the reference subtracted from the token rewards, with the KL controller's coefficient
+    (``critic/kl``, ``critic/kl_coef``); the controller then adapts to the step's KL."""
+    penalty = trainer.spec.advantage.kl_penalty
+
+    def run(state: StepState) -> None:
+        with timed("adv", state.metrics):
+            batch = state.batch
+            kl = batch["ref_kl"] if penalty == "full" else kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], penalty)
+            state.token_rewards, kl_metrics = apply_kl_penalty(state.token_rewards, kl, trainer.kl_ctrl.value,
+                                                               batch["response_mask"].bool())
+            trainer.kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
+            state.metrics.update({"critic/kl": kl_metrics["kl"], "critic/kl_coef": kl_metrics["kl_coef"]})
+
+    return run
+
+
+class Advantages:
+    """``algorithm.adv_estimator``'s advantages and returns (with GDPO under grpo, the score is the
+    advantage as it is: TRL's). ``estimate``: the estimator the run uses."""
+
+    def __init__(self, trainer: Any):
+        self.spec = trainer.spec.advantage
+        self.estimate = get_advantage(self.spec.estimator)
+        if self.spec.multi_objective_aggregation == "normalize_then_sum" and self.spec.estimator == "grpo":
+            self.estimate = score_as_advantage
+
+    def __call__(self, state: StepState) -> None:
+        adv, batch = self.spec, state.batch
+        with timed("adv", state.metrics):
+            out = self.estimate(AdvantageInputs(
+                token_rewards=state.token_rewards,
+                response_mask=batch["response_mask"].bool(),
+                group_ids=batch["group_ids"],
+                values=batch.get("values"),
+                baseline_rewards=batch.get("baseline_rewards"),
+                gamma=adv.gamma,
+                lam=adv.lam,
+                norm_by_std=adv.norm_by_std,
+            ))
+            batch["token_rewards"], batch["advantages"], batch["returns"] = state.token_rewards, out.advantages, out.returns

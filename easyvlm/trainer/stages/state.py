@@ -1,0 +1,47 @@
+"""What one training step's stages share: the batch and what the stages add to it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from torch import Tensor
+
+from easyvlm.data.batch import UPDATE_INPUT_KEYS, Batch
+from easyvlm.rewards.types import RewardResult
+
+
+@dataclass
+class StepState:
+    """One step's data as it passes the stages (easyvlm.trainer.stages)."""
+
+    step: int
+    """The global step being trained."""
+    prompts: Batch
+    """The step's prompts (the ReMax baseline answers them greedily)."""
+    batch: Batch
+    """The rollout batch; stages add tensors to it (old / ref log-probs, values, advantages, ...)."""
+    reward: Any
+    """The rewards in flight (Ray refs of the generation rounds' results, or a result)."""
+    metrics: dict[str, float]
+    result: Optional[RewardResult] = None
+    """The rewards, once the ``rewards`` stage waited for them."""
+    scores: Optional[Tensor] = None
+    """(B,) the overall reward of each sample, as logged (``critic/score``)."""
+    sequence_rewards: Optional[Tensor] = None
+    """(B,) what the advantages are computed from: ``scores``, or GDPO's score (multi_objective)."""
+    token_rewards: Optional[Tensor] = None
+    """(B, T) the sequence reward on each response's last token, minus the KL with kl_in_reward."""
+    actor_batch: Optional[Batch] = None
+    """The actor's update batch when it differs from the critic's (rollout correction)."""
+    _update_batch: Optional[Batch] = field(default=None, repr=False)
+
+    def update_batch(self) -> Batch:
+        """What the updates read of the batch (``UPDATE_INPUT_KEYS``), selected once."""
+        if self._update_batch is None:
+            self._update_batch = self.batch.select(*[k for k in UPDATE_INPUT_KEYS if k in self.batch], meta=False)
+        return self._update_batch
+
+
+Stage = Callable[[StepState], None]
+"""A stage reads and writes the step's state (its timing and metrics go into ``state.metrics``)."""

@@ -1,0 +1,71 @@
+"""The updates: the critic's, then (after the critic's warm-up) the rollout correction of the
+actor's batch and the actor's update, with the adaptive entropy coefficient when it is on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from easyvlm.algorithms.rollout_correction import parse_rollout_correction
+from easyvlm.algorithms.rollout_correction import rollout_correction as correction_weights
+from easyvlm.trainer.metrics import timed
+from easyvlm.trainer.stages.state import Stage, StepState
+
+
+def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Workers all-reduce their metrics, so every rank holds the global values: take rank 0's."""
+    return dict(per_rank[0])
+
+
+def update_critic(trainer: Any) -> Stage:
+    def run(state: StepState) -> None:
+        with timed("update_critic", state.metrics):
+            per_rank = trainer.workers.critic.dispatch_collect("update_critic", state.update_batch(), trainer.critic_sp)
+            state.metrics.update(rank0_metrics(per_rank))
+
+    return run
+
+
+def rollout_correction(trainer: Any) -> Stage:
+    """``algorithm.rollout_correction``: the actor's update batch with importance weights and the
+    response mask without the rejected tokens (which then leave the loss's normaliser too, as in
+    verl). The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
+    rc = trainer.spec.advantage.rollout_correction  # checked by the config check: parsing cannot fail
+    config = parse_rollout_correction(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
+                                      rc.rollout_rs, rc.rollout_rs_threshold)
+    warmup = trainer.spec.advantage.critic_warmup
+
+    def run(state: StepState) -> None:
+        if state.step <= warmup:  # no actor update yet
+            return
+        batch = state.update_batch()
+        weights, keep, metrics = correction_weights(batch["old_logprobs"], batch["rollout_logprobs"],
+                                                    batch["response_mask"].bool(), config)
+        state.metrics.update({f"rollout_corr/{k}": v for k, v in metrics.items()})
+        actor_batch = batch.copy()
+        actor_batch["response_mask"] = keep
+        if weights is not None:
+            actor_batch["rollout_is_weights"] = weights
+        state.actor_batch = actor_batch
+
+    return run
+
+
+def update_actor(trainer: Any) -> Stage:
+    """The actor's update after ``trainer.critic_warmup`` steps; the policy's version counts it."""
+    warmup = trainer.spec.advantage.critic_warmup
+
+    def run(state: StepState) -> None:
+        if state.step <= warmup:
+            return
+        ctrl = trainer.entropy_ctrl
+        entropy = {} if ctrl is None else {"entropy_coeff": ctrl.bonus_coeff}  # adaptive: this update's coefficient
+        batch = state.actor_batch if state.actor_batch is not None else state.update_batch()
+        with timed("update_actor", state.metrics):
+            per_rank = trainer.workers.hybrid.dispatch_collect("update_actor", batch, trainer.actor_sp, **entropy)
+            state.metrics.update(rank0_metrics(per_rank))
+        if ctrl is not None:  # the coefficient this update applied; the controller steps on its entropy
+            state.metrics["actor/entropy_coeff"] = entropy["entropy_coeff"]
+            ctrl.update(state.metrics["actor/entropy"])
+        trainer.sampler.policy_version += 1
+
+    return run

@@ -1,0 +1,67 @@
+"""The batch stages the plan lists for a recipe (easyvlm.plan.stages), derived by hand from the
+rules, and the trainer's registry of them (easyvlm.trainer.stages).
+
+plan_for's base: reinforce_plus_plus, n = 1, 24 prompts a step, global_batch_size 4, so 6
+optimizer steps a step (off-policy after the first: old log-probs are needed), KL on and in the
+reward (EasyR1's defaults: disable_kl=false, use_kl_loss=false)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from plan_testing import plan_for
+
+REWARDS = Path(__file__).resolve().parents[2] / "reward_functions"
+ONE_UPDATE = "worker.actor.global_batch_size=24"  # all 24 prompts in one mini-batch, one epoch: on-policy
+TAIL = ("rewards", "token_rewards", "advantages", "update_actor")
+CASES = {
+    # off-policy updates and the KL in the reward: old and reference log-probs, the KL stage
+    "base": ((), ("old_logprobs", "ref_logprobs", "rewards", "token_rewards", "kl_in_reward", "advantages", "update_actor")),
+    # on-policy and the KL as a loss term: the update's own pass gives the old log-probs; no KL in the reward
+    "kl_loss": ((ONE_UPDATE, "algorithm.use_kl_loss=true"), ("ref_logprobs", *TAIL)),
+    # the full KL as a loss term reads the reference inside the update: no reference pass either
+    "full_kl_loss": ((ONE_UPDATE, "algorithm.use_kl_loss=true", "algorithm.kl_penalty=full"), TAIL),
+    # on-policy with the KL in the reward: the KL reads the old log-probs, so they are computed
+    "kl_in_reward_on_policy": ((ONE_UPDATE,), ("old_logprobs", "ref_logprobs", "rewards", "token_rewards", "kl_in_reward",
+                                               "advantages", "update_actor")),
+    "no_kl": ((ONE_UPDATE, "algorithm.disable_kl=true"), TAIL),
+    # GAE: the critic's values before the rewards are waited for, its update before the actor's (the
+    # actor's update is on-policy: no old log-probs)
+    "gae": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.adv_estimator=gae"),
+            ("values", "rewards", "token_rewards", "advantages", "update_critic", "update_actor")),
+    "remax": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.adv_estimator=remax", "worker.rollout.n=2"),
+              ("remax_baseline", *TAIL)),
+    # the rollout correction compares the old log-probs with the sampler's: computed even on-policy
+    "rollout_is": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.rollout_correction.rollout_is=token"),
+                   ("old_logprobs", "rewards", "token_rewards", "advantages", "rollout_correction", "update_actor")),
+    # bypass: the sampler's log-probs stand in for the old ones, no pass
+    "bypass": (("algorithm.disable_kl=true", "algorithm.rollout_correction.bypass_mode=true"), ("sampler_logprobs", *TAIL)),
+    "gdpo": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.adv_estimator=grpo", "worker.rollout.n=2",
+              "algorithm.multi_objective_aggregation=normalize_then_sum", "worker.reward.reward_function=null",
+              f"worker.reward.reward_functions=[{{reward_function: {REWARDS}/synthetic.py:compute_score, weight: 1}}, "
+              f"{{reward_function: {REWARDS}/math.py:compute_score, weight: 0.5}}]"),
+             ("rewards", "multi_objective", "token_rewards", "advantages", "update_actor")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_plan_lists_the_recipes_stages_in_order(tiny_model_path, case):
+    overrides, expected = CASES[case]
+    assert plan_for(tiny_model_path, *overrides).driver.stages == expected
+
+
+def test_every_stage_the_plan_can_list_is_one_the_trainer_runs():
+    from easyvlm.trainer.stages import STAGES
+
+    assert {name for _, stages in CASES.values() for name in stages} == set(STAGES)
+
+
+def test_experiment_config_records_the_stages(tiny_model_path, tmp_path):
+    from easyvlm.trainer.loop import open_tracker
+
+    plan = plan_for(tiny_model_path, f"trainer.save_checkpoint_path={tmp_path}")
+    open_tracker(plan, total_steps=1, start_step=0).close()
+    record = json.loads((tmp_path / "experiment_config.json").read_text())
+    assert record["batch_stages"] == list(CASES["base"][1]) and record["algorithm"]["adv_estimator"] == "reinforce_plus_plus"
