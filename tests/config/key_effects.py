@@ -28,7 +28,7 @@ TOOLS = "tests/agents/test_tools.py"
 ADV = "tests/algorithms/test_advantages.py"
 AGG = "tests/algorithms/test_aggregation.py"
 BUILD = "tests/plan/test_build.py"
-CKPT = "tests/trainer/test_checkpoint.py"
+CKPT = "tests/run/test_checkpoint.py"
 DATASET = "tests/data/test_dataset.py"
 DERIVED = "tests/config/test_derived.py"
 FSDP = "tests/workers/test_fsdp.py"
@@ -71,7 +71,7 @@ JUDGE = "tests/trainer/test_e2e_judge.py"
 JUDGE_PLAN = f"{JUDGE}::test_judge_keys_reach_the_spec"
 JUDGE_CHECKS = f"{JUDGE}::test_judge_keys_are_checked"
 JUDGE_POOL = f"{JUDGE}::test_pool_batches_caches_and_counts_parse_failures"
-JUDGE_RUN = f"{JUDGE}::test_a_judged_run_trains_two_steps"
+JUDGE_RUN = f"{JUDGE}::test_a_judged_run_trains_two_steps_and_its_eval_is_judged_alike"
 
 
 @dataclass(frozen=True)
@@ -441,7 +441,7 @@ ENTRIES: list[tuple[str, Entry]] = [
     # the default checkpoint directory checkpoints/<project_name>/<experiment_name> (loggers name the run too)
     effects("trainer.project_name", f"{DERIVED}::test_grpo_values", f"{BUILD}::test_local_paths_become_absolute"),
     effects("trainer.experiment_name", f"{DERIVED}::test_grpo_values", f"{BUILD}::test_local_paths_become_absolute"),
-    effects("trainer.logger", "tests/trainer/test_tracking.py::test_backend_writes_metrics_config_and_samples"),
+    effects("trainer.logger", "tests/run/test_tracking.py::test_backend_writes_metrics_config_and_samples"),
     effects("trainer.nnodes", PLAN, f"{DERIVED}::test_grpo_values"),  # world size = nnodes x n_gpus_per_node
     effects("trainer.n_gpus_per_node", PLAN, f"{DERIVED}::test_grpo_values"),
     effects("trainer.max_try_make_batch", f"{LOOP}::test_online_filtering_gives_up_after_max_try_make_batch"),
