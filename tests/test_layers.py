@@ -18,10 +18,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "easyvlm"
 
 # Lowest first; the order, and one sentence per package, are in docs/architecture.md ("Layers").
+# The config composes the components' settings (declared in their packages), so it sits above them
+# and below the plan, the one reader of a config.
 LAYERS: list[tuple[str, ...]] = [
     ("utils",),
-    ("config",),
-    ("specs",),
     ("algorithms",),
     ("models",),
     ("data",),
@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("workers",),
     ("distributed",),
     ("builtin",),
+    ("config",),
     ("plan",),
     ("viewer",),
     ("run",),
@@ -120,6 +121,21 @@ def test_no_import_reaches_a_higher_layer():
             if unit_of(target) in LAYER_OF and LAYER_OF[unit_of(target)] > LAYER_OF[unit_of(module)]:
                 upward.append(f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {target}")
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
+
+
+def test_nothing_below_the_plan_imports_the_config():
+    # docs/architecture.md: the config is read in the driver and turned into the run plan; a package
+    # below the plan gets its slice and its own settings objects (declared in that package), never
+    # the config. Independent of LAYERS' order, so it holds if the config moves in it.
+    below = {unit for unit, layer in LAYER_OF.items() if layer < LAYER_OF["plan"]} - {"config"}
+    found = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{line} imports {target}"
+        for module, targets in GRAPH.items()
+        if unit_of(module) in below
+        for target, line in targets
+        if unit_of(target) == "config"
+    ]
+    assert not found, "easyvlm.config imported below the plan:\n" + "\n".join(sorted(found))
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

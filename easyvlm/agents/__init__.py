@@ -6,5 +6,8 @@
 - ``render``: tool results and observations as chat-template tokens (images included);
 - ``environment``: stateful environments (``reset`` / ``step``);
 - ``loop``: the multi-turn generation around any rollout engine, and its metrics;
-- ``setup``: the run plan's slice (``AgentSpec``) made into a ``MultiTurnRollout`` in the driver.
+- ``settings``: the multi-turn settings (``worker.rollout.tools`` ... ``tool_timeout``) and the
+  shipped tools' names, torch-free for the config check;
+- ``specs``: the run plan's slice (``AgentSpec``: the settings and the tools' schemas);
+- ``setup``: the run plan's slice made into a ``MultiTurnRollout`` in the driver.
 """

@@ -41,13 +41,14 @@ import torch
 
 from easyvlm.agents.environment import environment_step
 from easyvlm.agents.parse import parse_tool_calls
+from easyvlm.agents.settings import AgentSettings
 from easyvlm.agents.render import Segment, TurnRenderer, content_of
 from easyvlm.agents.tools import Tool, ToolResult, call_tool
 from easyvlm.data.batch import PROMPT_KEYS, PROMPT_TENSOR_KEYS, Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.position_ids import get_position_ids
 from easyvlm.rollout.base import SEED_KEY, is_greedy, mix_seeds
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.rollout.postprocess import pad_logprobs, pad_responses
 
 TRAJECTORY_KEY = "trajectory"
@@ -89,13 +90,6 @@ class _Sample:
         self.logprobs += list(logprobs) if model else [0.0] * len(ids)
 
 
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    max_turns: int
-    max_tokens_per_turn: int | None
-    tool_timeout: float
-
-
 class MultiTurnRollout:
     """Multi-turn generation with ``tools`` (by name) or an ``environment`` class (one of the two).
 
@@ -105,7 +99,7 @@ class MultiTurnRollout:
 
     def __init__(
         self,
-        settings: MultiTurnSettings,
+        settings: AgentSettings,
         renderer: TurnRenderer,
         model_config: Any,
         eos_token_ids: Sequence[int],

@@ -9,22 +9,22 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from easyvlm.agents.environment import load_environment
-from easyvlm.agents.loop import MultiTurnRollout, MultiTurnSettings
+from easyvlm.agents.loop import MultiTurnRollout
 from easyvlm.agents.render import TurnRenderer
 from easyvlm.agents.tools import load_tools
 from easyvlm.data.batch import ORIGINAL_IMAGES_KEY, Batch
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 
 EngineCall = Callable[[Batch, "Sampling | None"], Batch]
 
 
 def build_multi_turn(plan: Any, encoder: Any) -> MultiTurnRollout | None:
     """The run plan's MultiTurnRollout (None: single-turn). encoder: the data's PromptEncoder."""
-    agent = plan.agent
-    if agent is None:
+    if plan.agent is None:
         return None
+    agent = plan.agent.settings
     return MultiTurnRollout(
-        MultiTurnSettings(agent.max_turns, agent.max_tokens_per_turn, agent.tool_timeout),
+        agent,
         TurnRenderer(encoder),
         plan.bundle.policy.hf_config,
         plan.rollout.tokens.eos,

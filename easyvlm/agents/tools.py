@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, get_type_hints
 
 from PIL import Image
 
-from easyvlm.config.names import SHIPPED_TOOLS
+from easyvlm.agents.settings import SHIPPED_TOOLS
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, load_plugin
 
 RESERVED_PARAMETERS = ("images", "original_images", "row")

@@ -1,78 +1,51 @@
 """RL math as pure functions over tensors: advantages, policy / value losses, KL, entropy, aggregation.
 
 See docs/algorithms.md for the formulas, the papers and how to plug in your own estimator or loss.
+
+The names below are loaded from their module on first use (PEP 562): the config check imports this
+package's torch-free settings modules (``settings``, ``rollout_correction_settings``), and a
+package that imported its torch modules here would make it import torch.
 """
 
-from easyvlm.algorithms.advantages import (
-    ADVANTAGES,
-    AdvantageFn,
-    AdvantageInputs,
-    AdvantageOutputs,
-    advantage_names,
-    get_advantage,
-    register_advantage,
-)
-from easyvlm.algorithms.aggregation import (
-    LOSS_AVG_MODE_ALIASES,
-    LOSS_AVG_MODES,
-    aggregate_loss,
-    canonical_loss_avg_mode,
-    loss_normalizer,
-)
-from easyvlm.algorithms.entropy import entropy_bonus_loss, entropy_from_logits
-from easyvlm.algorithms.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    build_kl_controller,
-    kl_loss,
-    kl_names,
-    kl_penalty,
-)
-from easyvlm.algorithms.masked import masked_mean, masked_sum, masked_whiten
-from easyvlm.algorithms.policy_losses import (
-    POLICY_LOSSES,
-    PolicyLossFn,
-    PolicyLossInputs,
-    get_policy_loss,
-    policy_loss_names,
-    register_policy_loss,
-)
-from easyvlm.algorithms.value_loss import value_loss
+from __future__ import annotations
 
-# registers clip_cov and kl_cov with the policy losses
-from easyvlm.algorithms import covariance_losses  # noqa: E402,F401
+import importlib
+from typing import Any
 
-__all__ = [
-    "ADVANTAGES",
-    "AdaptiveKLController",
-    "AdvantageFn",
-    "AdvantageInputs",
-    "AdvantageOutputs",
-    "FixedKLController",
-    "LOSS_AVG_MODES",
-    "LOSS_AVG_MODE_ALIASES",
-    "POLICY_LOSSES",
-    "PolicyLossFn",
-    "PolicyLossInputs",
-    "advantage_names",
-    "aggregate_loss",
-    "apply_kl_penalty",
-    "build_kl_controller",
-    "canonical_loss_avg_mode",
-    "entropy_bonus_loss",
-    "entropy_from_logits",
-    "get_advantage",
-    "get_policy_loss",
-    "kl_loss",
-    "kl_names",
-    "kl_penalty",
-    "loss_normalizer",
-    "masked_mean",
-    "masked_sum",
-    "masked_whiten",
-    "policy_loss_names",
-    "register_advantage",
-    "register_policy_loss",
-    "value_loss",
-]
+# public name -> the module of this package that defines it. No public name may be a module's name:
+# importing that module would bind the package attribute to the module instead (hence value_losses.py).
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(
+        ("ADVANTAGES", "AdvantageFn", "AdvantageInputs", "AdvantageOutputs", "advantage_names", "get_advantage",
+         "register_advantage"),
+        "advantages",
+    ),
+    **dict.fromkeys(("aggregate_loss", "loss_normalizer"), "aggregation"),
+    **dict.fromkeys(("LOSS_AVG_MODES", "LOSS_AVG_MODE_ALIASES", "canonical_loss_avg_mode"), "settings"),
+    **dict.fromkeys(("entropy_bonus_loss", "entropy_from_logits"), "entropy"),
+    **dict.fromkeys(
+        ("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "build_kl_controller", "kl_loss",
+         "kl_names", "kl_penalty"),
+        "kl",
+    ),
+    **dict.fromkeys(("masked_mean", "masked_sum", "masked_whiten"), "masked"),
+    **dict.fromkeys(
+        ("POLICY_LOSSES", "PolicyLossFn", "PolicyLossInputs", "get_policy_loss", "policy_loss_names",
+         "register_policy_loss"),
+        "policy_losses",
+    ),
+    "value_loss": "value_losses",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

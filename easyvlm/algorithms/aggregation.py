@@ -46,21 +46,8 @@ import torch
 from torch import Tensor
 
 from easyvlm.algorithms.masked import check_mask, masked_sum
-
-LOSS_AVG_MODES: tuple[str, ...] = ("token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
-"""Canonical aggregation mode names."""
-
-LOSS_AVG_MODE_ALIASES: dict[str, str] = {"token-mean": "token", "seq-mean-token-mean": "seq"}
-"""verl-style long names accepted for the two EasyR1 modes."""
-
-
-def canonical_loss_avg_mode(mode: str) -> str:
-    """Map an accepted mode name (incl. aliases) to its canonical name; raise for anything else."""
-    mode = LOSS_AVG_MODE_ALIASES.get(mode, mode)
-    if mode not in LOSS_AVG_MODES:
-        valid = list(LOSS_AVG_MODES) + list(LOSS_AVG_MODE_ALIASES)
-        raise ValueError(f"unknown loss_avg_mode {mode!r} (worker.actor.loss_avg_mode); valid: {valid}")
-    return mode
+# the mode names are settings (torch-free, for the config check); the losses import them from here too
+from easyvlm.algorithms.settings import LOSS_AVG_MODE_ALIASES, LOSS_AVG_MODES, canonical_loss_avg_mode  # noqa: F401
 
 
 def loss_normalizer(response_mask: Tensor, loss_avg_mode: str, norm_length: int | None = None) -> float:

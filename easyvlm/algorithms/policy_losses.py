@@ -33,32 +33,45 @@ Departures from the papers and from EasyR1:
   loss_avg_mode "seq"), easyvlm and EasyR1 use the configured ``loss_avg_mode`` (default "token");
   the ratio comes from the clamped log-ratio like every loss here. No clip_ratio_* is used and no
   pg_clipfrac_* is reported (nothing is clipped); ``sapo_grad_scale`` reports the soft attenuation.
+- clip_cov / kl_cov (Cui et al., "The Entropy Mechanism of Reinforcement Learning for Reasoning
+  Language Models", arXiv:2505.22617, sec. 5): they act on the tokens whose log-prob moves with the
+  advantage. The policy entropy falls fastest where the centred log-prob and the centred advantage
+  are large together; per valid token t of the micro-batch
+
+      Cov_t = (A_t - mean(A)) * (log pi(y_t) - mean(log pi))           (means over the valid tokens)
+
+  (the paper's token-wise centred cross-product, detached). Clip-Cov detaches the gradient of a
+  few such tokens, KL-Cov puts a penalty on them: verl's loss modes ``clip_cov`` / ``kl_cov`` (keys
+  ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``, same
+  defaults). As in verl, the means and the token counts are those of the micro-batch the loss sees
+  (on one rank), so the selection depends on how a mini-batch is cut into micro-batches; the loss
+  is then aggregated with the mini-batch normaliser like every other loss. Departures from verl:
+  padding never enters the centring means (verl's ``masked_mean`` agrees); the metric
+  ``pg_cov_frac`` (the fraction of valid tokens selected) replaces verl's ``pg_clipfrac`` for
+  Clip-Cov, and KL-Cov reports ``ppo_kl`` as the k1 mean like every loss here (verl reports mean
+  |log r| under that name).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from easyvlm.algorithms.aggregation import aggregate_loss, canonical_loss_avg_mode
+from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.masked import check_mask, masked_mean, masked_sum, zero_masked
 from easyvlm.algorithms.registry import Registry
-from easyvlm.config.worker_schema import ActorConfig
+from easyvlm.algorithms.settings import PolicyLossSettings
 
 LOG_RATIO_CLAMP = 20.0
 
 
-# The defaults of the hyperparameters are worker.actor's: one definition, in the config schema.
-_ACTOR = ActorConfig()
-
-
 @dataclass(frozen=True)
 class PolicyLossInputs:
-    """Inputs of every policy loss. All (B, T) tensors share the response_mask's shape."""
+    """Inputs of every policy loss: one micro-batch's tensors and the loss's settings. All (B, T)
+    tensors share the response_mask's shape."""
 
     logprobs: Tensor
     """(B, T) float, with grad: log pi_theta(y_t) under the current policy."""
@@ -68,18 +81,10 @@ class PolicyLossInputs:
     """(B, T) float."""
     response_mask: Tensor
     """(B, T) bool: True = the token counts in the loss."""
-    clip_ratio_low: float = _ACTOR.clip_ratio_low
-    """PPO epsilon below 1: the ratio is clipped at 1 - clip_ratio_low. arXiv:1707.06347."""
-    clip_ratio_high: float = _ACTOR.clip_ratio_high
-    """Epsilon above 1 (DAPO's clip-higher, arXiv:2503.14476): clipped at 1 + clip_ratio_high."""
-    clip_ratio_dual: float = _ACTOR.clip_ratio_dual
-    """Dual-clip constant c > 1: for A < 0 the loss is at most -A * c. arXiv:1912.09729."""
-    tau_positive: float = _ACTOR.tau_positive
-    """SAPO gate temperature for tokens with A >= 0 (larger = the gradient fades faster as r leaves 1)."""
-    tau_negative: float = _ACTOR.tau_negative
-    """SAPO gate temperature for tokens with A < 0; the paper keeps it above tau_positive. arXiv:2511.20347."""
-    loss_avg_mode: str = _ACTOR.loss_avg_mode
-    """Aggregation mode, see aggregation.py (aliases accepted)."""
+    settings: PolicyLossSettings = field(default_factory=PolicyLossSettings)
+    """The loss's hyperparameters (``worker.actor.clip_ratio_low`` ..., declared and checked in
+    ``settings.py``). A loss reads ``inputs.settings.clip_ratio_low``; ``inputs.settings.clip_ratio_low``
+    reads the same (plug-in losses written against the flat inputs keep working)."""
     normalizer: float | None = None
     """N of the whole mini-batch from ``loss_normalizer``; None = this batch is the mini-batch."""
     rollout_is_weights: Tensor | None = None
@@ -91,16 +96,6 @@ class PolicyLossInputs:
     tokens of ``top_entropy_quantile``, the sequences ``off_policy_mask_threshold`` keeps); the
     others' loss is 0 but they still count in the normaliser, as in TRL. None = all tokens.
     Every built-in loss applies it; plug-in losses are refused with it."""
-    clip_cov_ratio: float = _ACTOR.clip_cov_ratio
-    """Clip-Cov: fraction of the valid tokens whose gradient is detached. arXiv:2505.22617."""
-    clip_cov_lb: float = _ACTOR.clip_cov_lb
-    """Clip-Cov: only tokens with covariance in (clip_cov_lb, clip_cov_ub) may be detached."""
-    clip_cov_ub: float = _ACTOR.clip_cov_ub
-    """Clip-Cov: upper end of the covariance band."""
-    kl_cov_ratio: float = _ACTOR.kl_cov_ratio
-    """KL-Cov: fraction of the valid tokens (largest covariance) that get the KL penalty."""
-    ppo_kl_coef: float = _ACTOR.ppo_kl_coef
-    """KL-Cov: weight of the |log r| penalty on the selected tokens."""
 
     def __post_init__(self) -> None:
         check_mask(self.response_mask, self.logprobs)
@@ -111,27 +106,16 @@ class PolicyLossInputs:
             if shape != tuple(self.response_mask.shape):
                 expected = tuple(self.response_mask.shape)
                 raise ValueError(f"PolicyLossInputs.{name} has shape {shape}, expected {expected} (response_mask)")
-        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
-            raise ValueError(
-                f"clip_ratio_low / clip_ratio_high must be >= 0, got {self.clip_ratio_low} / {self.clip_ratio_high}"
-            )
-        if self.clip_ratio_dual <= 1.0:
-            raise ValueError(f"clip_ratio_dual must be > 1 (dual-clip PPO), got {self.clip_ratio_dual}")
-        for key, tau in (("tau_positive", self.tau_positive), ("tau_negative", self.tau_negative)):
-            # the gate 4/tau * sigmoid(tau (r - 1)) divides by tau: 0, negative or inf/NaN makes no sense
-            if not (math.isfinite(tau) and tau > 0):
-                raise ValueError(
-                    f"worker.actor.{key} must be a finite number > 0 (a SAPO gate temperature), got {tau}; "
-                    "the paper's values are tau_positive=1.0, tau_negative=1.05"
-                )
-        for key in ("clip_cov_ratio", "kl_cov_ratio"):
-            if not 0 < getattr(self, key) <= 1:
-                raise ValueError(f"worker.actor.{key} must be in (0, 1], got {getattr(self, key)}")
-        if not self.clip_cov_lb < self.clip_cov_ub:
-            raise ValueError(f"worker.actor.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
-        if not self.ppo_kl_coef >= 0:
-            raise ValueError(f"worker.actor.ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
-        canonical_loss_avg_mode(self.loss_avg_mode)
+
+    def __getattr__(self, name: str) -> Any:
+        # called only for a name the inputs lack: a field of the settings reads as the inputs' own
+        settings = self.__dict__.get("settings")
+        if settings is not None and name in _SETTINGS_FIELDS:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+_SETTINGS_FIELDS = frozenset(f.name for f in fields(PolicyLossSettings))
 
 
 PolicyLossFn = Callable[[PolicyLossInputs], "tuple[Tensor, dict[str, float]]"]
@@ -222,7 +206,7 @@ def _clip_metrics(clipped: Tensor, p: _Prepared) -> dict[str, float]:
 def _clipped_surrogate(ratio: Tensor, advantages: Tensor, inputs: PolicyLossInputs) -> tuple[Tensor, Tensor]:
     """Pessimistic PPO token loss max(-A r, -A clip(r)) and the mask of tokens where clipping is active."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
+    clipped = -advantages * ratio.clamp(1.0 - inputs.settings.clip_ratio_low, 1.0 + inputs.settings.clip_ratio_high)
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
@@ -241,10 +225,10 @@ def ppo_clip_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     p = _prepare(inputs)
     ratio = torch.exp(p.log_ratio)
     clip_loss, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
-    dual_bound = -p.advantages * inputs.clip_ratio_dual
+    dual_bound = -p.advantages * inputs.settings.clip_ratio_dual
     negative = p.advantages < 0
     token_losses = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
-    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     metrics = {
         "pg_clipfrac_higher": _fraction(clip_active & (p.advantages > 0), p.mask),
         "pg_clipfrac_lower": _fraction(clip_active & negative, p.mask),
@@ -262,7 +246,7 @@ def _seq_log_ratio(p: _Prepared) -> Tensor:
 def _gspo_from_log_ratio(log_s: Tensor, p: _Prepared, inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     ratio = torch.exp(log_s)
     token_losses, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
-    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     return loss, _clip_metrics(clip_active, p)
 
 
@@ -300,12 +284,12 @@ def cispo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     """
     p = _prepare(inputs)
     ratio = torch.exp(p.log_ratio).detach()
-    weight = ratio.clamp(1.0 - inputs.clip_ratio_low, 1.0 + inputs.clip_ratio_high)
+    weight = ratio.clamp(1.0 - inputs.settings.clip_ratio_low, 1.0 + inputs.settings.clip_ratio_high)
     token_losses = -weight * p.advantages * p.logprobs
-    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     metrics = {
-        "pg_clipfrac_higher": _fraction(ratio > 1.0 + inputs.clip_ratio_high, p.mask),
-        "pg_clipfrac_lower": _fraction(ratio < 1.0 - inputs.clip_ratio_low, p.mask),
+        "pg_clipfrac_higher": _fraction(ratio > 1.0 + inputs.settings.clip_ratio_high, p.mask),
+        "pg_clipfrac_lower": _fraction(ratio < 1.0 - inputs.settings.clip_ratio_low, p.mask),
         "pg_clipfrac_dual": 0.0,
         **_base_metrics(p),
     }
@@ -324,10 +308,10 @@ def sapo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     """
     p = _prepare(inputs)
     ratio = torch.exp(p.log_ratio)
-    tau = torch.where(p.advantages >= 0, inputs.tau_positive, inputs.tau_negative).to(ratio.dtype)  # (B, T)
+    tau = torch.where(p.advantages >= 0, inputs.settings.tau_positive, inputs.settings.tau_negative).to(ratio.dtype)  # (B, T)
     gate_sigmoid = torch.sigmoid(tau * (ratio - 1.0))
     token_losses = -p.advantages * (4.0 / tau) * gate_sigmoid
-    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     grad_scale = 4.0 * gate_sigmoid.detach() * (1.0 - gate_sigmoid.detach())
     metrics = {"sapo_grad_scale": masked_mean(grad_scale, p.mask).item(), **_base_metrics(p)}
     return loss, metrics
@@ -350,7 +334,7 @@ def gmpo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     """
     p = _prepare(inputs)
     sign = torch.sign(p.advantages)
-    clipped = p.log_ratio.clamp(-inputs.clip_ratio_low, inputs.clip_ratio_high)
+    clipped = p.log_ratio.clamp(-inputs.settings.clip_ratio_low, inputs.settings.clip_ratio_high)
     log_ratio = sign * torch.minimum(sign * p.log_ratio, sign * clipped)
     if inputs.token_gate is not None:  # a gated-off token enters the product as ratio 1, with no gradient
         log_ratio = log_ratio * inputs.token_gate.to(log_ratio.dtype)
@@ -361,7 +345,7 @@ def gmpo_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
         log_weights = torch.log(inputs.rollout_is_weights.detach().to(seq_loss.dtype).clamp(min=1e-10))
         seq_loss = seq_loss * torch.exp(masked_sum(log_weights, p.mask, dim=-1) / lengths)
     token_losses = seq_loss.unsqueeze(-1).expand(p.mask.shape)
-    loss = aggregate_loss(token_losses, p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(token_losses, p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     return loss, _clip_metrics(p.log_ratio != clipped, p)
 
 
@@ -376,5 +360,63 @@ def gpg_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
     """
     p = _prepare(inputs)
     token_losses = -p.advantages * p.logprobs
-    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.loss_avg_mode, inputs.normalizer)
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
     return loss, _base_metrics(p)
+
+
+# ----------------------------------------------------------------------------- Clip-Cov and KL-Cov
+
+
+def token_covariance(advantages: Tensor, logprobs: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) Cov_t = (A_t - mean A) (log pi_t - mean log pi), means over valid tokens; detached,
+    0 at masked positions."""
+    advantages, logprobs = advantages.detach(), logprobs.detach()
+    centred = (advantages - masked_mean(advantages, mask)) * (logprobs - masked_mean(logprobs, mask))
+    return torch.where(mask, centred, torch.zeros_like(centred))
+
+
+def _selected_count(ratio: float, mask: Tensor) -> int:
+    """max(int(ratio * valid tokens), 1): verl's count (at least one token per micro-batch)."""
+    return max(int(ratio * int(mask.sum().item())), 1)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """Clip-Cov, arXiv:2505.22617 sec. 5: PPO's clipped surrogate (clip-higher, no dual clip, as
+    verl), and the gradient of k = max(int(clip_cov_ratio * N), 1) tokens drawn uniformly at random
+    (torch's global generator) among the valid, not already clipped tokens with clip_cov_lb < Cov_t
+    < clip_cov_ub is detached (their loss is multiplied by 0). N: the micro-batch's valid tokens.
+    Metrics: ``pg_cov_frac`` (selected / N) and the PPO clip fractions.
+    """
+    p = _prepare(inputs)
+    ratio = torch.exp(p.log_ratio)
+    token_losses, clip_active = _clipped_surrogate(ratio, p.advantages, inputs)
+    covariance = token_covariance(p.advantages, p.logprobs, p.mask)
+    in_band = p.mask & ~clip_active & (covariance > inputs.settings.clip_cov_lb) & (covariance < inputs.settings.clip_cov_ub)
+    candidates = torch.nonzero(in_band)  # (n, 2) row-major
+    order = torch.randperm(len(candidates), device=candidates.device)
+    chosen = candidates[order[: _selected_count(inputs.settings.clip_cov_ratio, p.mask)]]
+    keep = torch.ones_like(token_losses)
+    keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    loss = aggregate_loss(weighted(token_losses * keep, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
+    return loss, {"pg_cov_frac": _fraction(keep == 0, p.mask), **_clip_metrics(clip_active, p)}
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, float]]:
+    """KL-Cov, arXiv:2505.22617 sec. 5: no clip; l_t = -A_t r_t, plus ppo_kl_coef * |log r_t| on the
+    k = max(int(kl_cov_ratio * N), 1) valid tokens with the largest Cov_t (ties: torch.topk's order).
+    N: the micro-batch's valid tokens. Metric ``pg_cov_frac``: k / N.
+    """
+    p = _prepare(inputs)
+    ratio = torch.exp(p.log_ratio)
+    token_losses = -p.advantages * ratio
+    covariance = token_covariance(p.advantages, p.logprobs, p.mask)
+    flat = torch.where(p.mask, covariance, torch.full_like(covariance, -torch.inf)).flatten()
+    count = min(_selected_count(inputs.settings.kl_cov_ratio, p.mask), int(p.mask.sum().item()))
+    selected = torch.zeros_like(p.mask).flatten()
+    selected[torch.topk(flat, count).indices] = True
+    selected = selected.view_as(p.mask)
+    token_losses = token_losses + inputs.settings.ppo_kl_coef * p.log_ratio.abs() * selected
+    loss = aggregate_loss(weighted(token_losses, inputs), p.mask, inputs.settings.loss_avg_mode, inputs.normalizer)
+    return loss, {"pg_cov_frac": _fraction(selected, p.mask), **_base_metrics(p)}

@@ -36,17 +36,18 @@ import torch
 from torch import Tensor
 
 from easyvlm.algorithms.masked import check_mask, masked_mean, masked_sum
-from easyvlm.config.rollout_correction import (  # the parsed config, torch-free for the config check
+from easyvlm.algorithms.rollout_correction_settings import (  # torch-free, for the config check
     IS_LEVELS,
     RejectionRule,
     RolloutCorrection,
+    RolloutCorrectionConfig,
     parse_is_threshold,
     parse_rejection,
     parse_rollout_correction,
 )
 
 __all__ = [
-    "RejectionRule", "RolloutCorrection", "importance_weights", "parse_is_threshold", "parse_rejection",
+    "RejectionRule", "RolloutCorrection", "RolloutCorrectionConfig", "importance_weights", "parse_is_threshold", "parse_rejection",
     "parse_rollout_correction", "rejection_mask", "rollout_correction",
 ]
 

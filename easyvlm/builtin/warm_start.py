@@ -95,7 +95,7 @@ def build_warm_start(spec: WarmStartSpec, base: Path, out_dir: Path, log=print) 
     import torch
     from transformers import AutoConfig, AutoProcessor
 
-    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.settings import DataConfig
     from easyvlm.data.collate import concat_multi_modal_inputs
     from easyvlm.data.dataset import PromptEncoder
     from easyvlm.builtin.synthetic import materialize_dataset
@@ -217,15 +217,16 @@ def _train_tool_warm_start(spec: WarmStartSpec, base: str, processor, model_conf
 
     import torch
 
-    from easyvlm.agents.loop import MultiTurnRollout, MultiTurnSettings
+    from easyvlm.agents.loop import MultiTurnRollout
+    from easyvlm.agents.settings import AgentSettings
     from easyvlm.agents.render import TurnRenderer
     from easyvlm.agents.tools import load_tools
     from easyvlm.builtin.synthetic_zoom import quadrant_box, zoom_call
-    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.settings import DataConfig
     from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
     from easyvlm.data.dataset import RLDataset
     from easyvlm.models.position_ids import to_model_layout
-    from easyvlm.specs import Sampling
+    from easyvlm.rollout.specs import Sampling
     from easyvlm.rollout.postprocess import build_rollout_batch
 
     tokenizer = processor.tokenizer
@@ -237,7 +238,7 @@ def _train_tool_warm_start(spec: WarmStartSpec, base: str, processor, model_conf
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = dataset.pad_token_id
     length = 256
-    loop = MultiTurnRollout(MultiTurnSettings(max_turns=2, max_tokens_per_turn=None, tool_timeout=30.0),
+    loop = MultiTurnRollout(AgentSettings(max_turns=2, max_tokens_per_turn=None, tool_timeout=30.0),
                             TurnRenderer(dataset.encoder), model_config, [eos], pad, length, tools=tools)
     sampling = Sampling(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=length, ignore_eos=False)
 

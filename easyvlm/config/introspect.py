@@ -16,6 +16,8 @@ import textwrap
 import typing
 from typing import Any, Literal, Union
 
+from easyvlm.config.compose import SOURCES
+
 _NONE = type(None)
 
 
@@ -171,7 +173,21 @@ def is_finite_number(value: Any) -> bool:
 # ------------------------------------------------------------------------------------- docstrings
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings: the string literal right after each field, whitespace collapsed."""
+    """Attribute docstrings: the string literal right after each field, whitespace collapsed, in
+    field order. A field spliced in from a component's settings (``easyvlm.config.compose``) has its
+    docstring where that class declares it."""
+    own = _attribute_docstrings(cls)
+    sources = cls.__dict__.get(SOURCES, {})
+    docs = {}
+    for name in [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else list(own):
+        doc = field_docs(sources[name]).get(name) if name in sources else own.get(name)
+        if doc is not None:
+            docs[name] = doc
+    return docs
+
+
+def _attribute_docstrings(cls: type) -> dict[str, str]:
+    """The docstrings written in ``cls``'s own class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+# the components declare these with their settings; the schema and the check read them from here
+from easyvlm.agents.settings import SHIPPED_TOOLS  # noqa: F401
+from easyvlm.algorithms.settings import KLPenalty, KLType, LossAvgMode  # noqa: F401
+from easyvlm.utils.dtypes import DType, canonical_dtype  # noqa: F401
+
 # Names accepted by string fields that also take a user plug-in ("path/to/file.py:func").
-# They mirror the registries in easyvlm.algorithms, which this module must not import (config/ stays
-# free of torch); a test in the algorithms suite should check that the two lists agree.
+# They mirror the registries in easyvlm.algorithms, whose modules import torch (the config check must
+# not); tests/algorithms/test_config_names.py checks that the two lists agree.
 ADV_ESTIMATORS: tuple[str, ...] = (
     "gae",
     "grpo",
@@ -24,8 +29,6 @@ GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforc
 POLICY_LOSSES: tuple[str, ...] = (
     "default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg",
 )
-SHIPPED_TOOLS: tuple[str, ...] = ("image_zoom", "calculator")
-"""The tools easyvlm ships (easyvlm.agents.shipped), by the names ``worker.rollout.tools`` takes."""
 # trainer.logger -> (module it imports, pip requirement that provides it); console and file need nothing
 LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard"),
@@ -34,26 +37,4 @@ LOGGER_PACKAGES: dict[str, tuple[str, str]] = {
     "mlflow": ("mlflow", "mlflow-skinny"),  # the full `mlflow` package provides the module too
 }
 
-KLPenalty = Literal["kl", "abs", "mse", "low_var_kl", "full"]
-KLType = Literal["fixed", "adaptive"]
 LoggerName = Literal["console", "file", "tensorboard", "wandb", "mlflow", "swanlab"]
-LossAvgMode = Literal["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
-# Both spellings EasyR1 accepts; canonical_dtype() maps them to one.
-DType = Literal["bf16", "bfloat16", "fp16", "float16", "fp32", "float32"]
-
-_CANONICAL_DTYPES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "fp32": "fp32",
-    "float32": "fp32",
-}
-
-
-def canonical_dtype(name: str) -> Literal["bf16", "fp16", "fp32"]:
-    """``"bfloat16"`` -> ``"bf16"`` etc., so that workers compare a single spelling."""
-    try:
-        return _CANONICAL_DTYPES[name]  # type: ignore[return-value]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_CANONICAL_DTYPES)}") from None

@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.check)
         if not path.is_file() or path.read_text() != text or not sync_readme(README, check=True):
             print(
-                f"{path} or README.md is out of date with easyvlm/config/schema.py or worker_schema.py; regenerate with: "
+                f"{path} or README.md is out of date with the config schema (easyvlm/config/schema.py, worker_schema.py "
+                f"and the settings modules they compose); regenerate with: "
                 f"python -m easyvlm.config.reference",
                 file=sys.stderr,
             )

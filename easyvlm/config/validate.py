@@ -14,10 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.rollout_correction import parse_is_threshold, parse_rejection
+from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig, parse_is_threshold, parse_rejection
 from easyvlm.config.introspect import is_finite_number
 from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
-from easyvlm.config.schema import PPOConfig, RolloutCorrectionConfig
+from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import RolloutConfig
 from easyvlm.config.checks import Checks, check_fsdp, divisors, looks_local, missing_logger_packages, name_or_spec, type_problems
 from easyvlm.config.validate_workers import (

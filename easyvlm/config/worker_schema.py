@@ -1,13 +1,20 @@
 """The typed ``worker`` section of the configuration: the actor, critic and reference model (their
 model, optimizer, FSDP and offload settings), the rewards (functions, reward model, judge) and the
-rollout. Same conventions as ``easyvlm.config.schema``, which holds the other sections."""
+rollout. Same conventions as ``easyvlm.config.schema``, which holds the other sections. Composed
+here from the components' declarations (``easyvlm.config.compose``): the optimizer, FSDP and offload
+sections (``easyvlm.workers.settings``), the actor's policy-loss and entropy keys
+(``easyvlm.algorithms.settings``) and the rollout's multi-turn keys (``easyvlm.agents.settings``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from easyvlm.config.names import DType, LossAvgMode
+from easyvlm.agents.settings import AgentSettings
+from easyvlm.algorithms.settings import EntropySettings, LossAvgMode, PolicyLossSettings
+from easyvlm.config.compose import fields_of
+from easyvlm.utils.dtypes import DType
+from easyvlm.workers.settings import FSDPConfig, OffloadConfig, OptimConfig
 
 @dataclass(frozen=True)
 class LoraConfig:
@@ -48,60 +55,8 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    """Peak learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam's betas."""
-    weight_decay: float = 1e-2
-    """Decoupled weight decay (AdamW)."""
-    strategy: Literal["adamw", "adamw_bf16"] = "adamw"
-    """Optimizer: adamw, or adamw_bf16 (optimizer states in bf16 to save memory)."""
-    lr_warmup_ratio: float = 0.0
-    """Fraction of the training steps used for linear warm-up (ignored if `lr_warmup_steps` is
-    set)."""
-    lr_warmup_steps: Optional[int] = None
-    """Warm-up steps; None = `lr_warmup_ratio` times the training steps."""
-    min_lr_ratio: Optional[float] = None
-    """Cosine schedule: the final learning rate as a fraction of `lr`. None = 0."""
-    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
-
-
-@dataclass(frozen=True)
-class FSDPConfig:
-    enable_full_shard: bool = True
-    """Shard parameters, gradients and optimizer states (ZeRO-3); False shards only gradients and
-    optimizer states."""
-    enable_cpu_offload: bool = False
-    """Let FSDP keep parameters on the CPU between uses (GPU runs)."""
-    enable_rank0_init: bool = True
-    """Load weights on rank 0 only and broadcast them: less host memory on big models."""
-    use_orig_params: bool = False
-    """FSDP1's use_orig_params; kept for EasyR1 configs, FSDP2 always keeps the original
-    parameters."""
-    torch_dtype: Optional[DType] = None
-    """Dtype the model weights are loaded in. None = the worker's choice (EasyR1: fp32 for the
-    actor and critic, bf16 for the reference model)."""
-    fsdp_size: int = -1
-    """Devices per FSDP shard group (hybrid sharding); -1 = all devices."""
-    mp_param_dtype: DType = "bf16"
-    """Mixed precision: dtype of parameters in forward and backward."""
-    mp_reduce_dtype: DType = "fp32"
-    """Mixed precision: dtype of the gradient reduction."""
-    mp_buffer_dtype: DType = "fp32"
-    """Mixed precision: dtype of buffers."""
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    offload_params: bool = False
-    """Move the parameters to CPU memory while the role is idle (e.g. during generation)."""
-    offload_optimizer: bool = False
-    """Move the optimizer states to CPU memory while the role is idle."""
-
-
-@dataclass(frozen=True)
+@fields_of(EntropySettings, after="use_torch_compile", read_as="entropy")
+@fields_of(PolicyLossSettings, after="max_grad_norm", read_as="policy_loss")
 class ActorConfig:
     strategy: Literal["fsdp"] = "fsdp"
     """Training backend (FSDP2)."""
@@ -115,50 +70,7 @@ class ActorConfig:
     """Samples per forward pass on one device when computing old log-probs (and ref log-probs)."""
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this."""
-    clip_ratio_low: float = 0.2
-    """PPO clip: the ratio is clipped below at 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.3
-    """PPO clip: the ratio is clipped above at 1 + clip_ratio_high (DAPO's clip-higher)."""
-    clip_ratio_dual: float = 3.0
-    """Dual-clip PPO's constant c (arXiv:1912.09729): for negative advantages the loss is at most
-    c times the advantage's magnitude. Must be > 1."""
-    loss_avg_mode: LossAvgMode = "token"
-    """How token losses become one number: token (mean over all tokens of the mini-batch), seq
-    (mean over tokens of each sequence, then over sequences), seq-mean-token-sum (sum over tokens,
-    mean over sequences), seq-mean-token-sum-norm (sum over tokens divided by the longest possible
-    response, Dr. GRPO), token-sum (sum over every token of the mini-batch, no division; verl's)."""
-    loss_type: str = "default"
-    """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, sapo,
-    geo_mean (GMPO), clip_cov, kl_cov (Clip-Cov / KL-Cov), gpg (plain policy gradient), or your own
-    as `path/to/file.py:func`."""
-    tau_positive: float = 1.0
-    """SAPO (arXiv:2511.20347): temperature of the soft gate for tokens with a non-negative
-    advantage (loss_type=sapo only)."""
-    tau_negative: float = 1.05
-    """SAPO: temperature of the soft gate for tokens with a negative advantage (loss_type=sapo only)."""
-    clip_cov_ratio: float = 0.0002
-    """easyvlm extra (verl's key and default). Clip-Cov (loss_type=clip_cov, arXiv:2505.22617):
-    fraction of the valid tokens whose gradient is detached, drawn at random among those whose
-    covariance of advantage and log-prob lies in (clip_cov_lb, clip_cov_ub)."""
-    clip_cov_lb: float = 1.0
-    """easyvlm extra (verl's key and default). Clip-Cov: lower end of the covariance band."""
-    clip_cov_ub: float = 5.0
-    """easyvlm extra (verl's key and default). Clip-Cov: upper end of the covariance band."""
-    kl_cov_ratio: float = 0.0002
-    """easyvlm extra (verl's key and default). KL-Cov (loss_type=kl_cov): fraction of the valid
-    tokens, those with the largest covariance, that get the penalty ppo_kl_coef * |log ratio| (the
-    paper uses 0.002 for 7B models and 0.0002 for 32B)."""
-    ppo_kl_coef: float = 1.0
-    """easyvlm extra (verl's key and default). KL-Cov: weight of the |log ratio| penalty on the
-    selected tokens."""
-    top_entropy_quantile: float = 1.0
-    """easyvlm extra (TRL's key). "Beyond the 80/20 rule" (arXiv:2506.01939): only the tokens whose
-    entropy is in the top fraction rho of the micro-batch carry the policy gradient (0.2 in the
-    paper); 1.0 = all tokens. The others still count in the loss's normaliser."""
-    off_policy_mask_threshold: Optional[float] = None
-    """easyvlm extra (TRL's key). DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556
-    eqn. 9): a sequence with a negative advantage whose mean log(pi_sampler / pi_theta) over its
-    tokens exceeds this (e.g. 0.5) carries no policy gradient. None = off."""
+    # here: the policy loss's keys, clip_ratio_low ... off_policy_mask_threshold (PolicyLossSettings)
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     padding_free: bool = True
@@ -175,25 +87,7 @@ class ActorConfig:
     """Ulysses sequence-parallel degree; 1 = off."""
     use_torch_compile: bool = True
     """torch.compile the log-prob and entropy kernels."""
-    entropy_coeff: float = 0.0
-    """easyvlm extra. Weight of the entropy bonus in the actor loss (loss -= entropy_coeff *
-    entropy); 0 = none. With use_adaptive_entropy: the controller's initial coefficient."""
-    use_adaptive_entropy: bool = False
-    """easyvlm extra (TRL's key). Adaptive entropy control (Skywork-OR1, arXiv:2505.22312; TRL's use_adaptive_entropy): after
-    each step the coefficient moves by entropy_coeff_delta towards more bonus while the step's
-    token-mean entropy is <= entropy_target, less otherwise, within [entropy_coeff_min,
-    entropy_coeff_max]; the bonus acts only in a step that follows one with entropy <=
-    entropy_target (so not in the first step, as in TRL). Logs actor/entropy_coeff (the
-    coefficient applied) and actor/entropy (the measurement). See docs/algorithms.md."""
-    entropy_target: float = 0.2
-    """easyvlm extra (TRL's key). Adaptive entropy control: the target token-mean entropy in nats (TRL's key and default)."""
-    entropy_coeff_delta: float = 0.005
-    """easyvlm extra. Adaptive entropy control: the coefficient's step per trainer step (TRL spells it
-    entropy_coef_delta; TRL's default)."""
-    entropy_coeff_min: float = 0.0
-    """easyvlm extra. Adaptive entropy control: the coefficient's lower bound (TRL: entropy_coef_min; its default)."""
-    entropy_coeff_max: float = 1.0
-    """easyvlm extra. Adaptive entropy control: the coefficient's upper bound (TRL: entropy_coef_max; its default)."""
+    # here: the entropy bonus's keys, entropy_coeff ... entropy_coeff_max (EntropySettings)
     max_token_len_per_device: Optional[int] = None
     """easyvlm extra (verl's ppo_max_token_len_per_gpu). Dynamic batching's token budget per
     micro-batch. None = EasyR1's: the micro-batch size times data.max_prompt_length +
@@ -382,6 +276,7 @@ class JudgeConfig:
 
 
 @dataclass(frozen=True)
+@fields_of(AgentSettings, after="disable_tqdm", read_as="agent")
 class RolloutConfig:
     name: Literal["vllm", "hf"] = "vllm"
     """Generation engine: vllm, or hf (transformers' generate: slow, for comparison and
@@ -430,24 +325,7 @@ class RolloutConfig:
     """Silence vLLM's periodic statistics."""
     disable_tqdm: bool = False
     """Hide the generation progress bar."""
-    tools: list[str] = field(default_factory=list)
-    """easyvlm extra. Tools the model may call over several turns: shipped ones by name
-    (`image_zoom`, `calculator`) or your functions as `path/file.py:func`; the chat template shows
-    their schemas, tool results (text or images) come back as the template's tool messages, and only
-    the model's tokens are trained. docs/agents.md."""
-    environment: Optional[str] = None
-    """easyvlm extra. A stateful environment `path/file.py:ClassName` with `reset(row)` and
-    `step(action) -> (observation, done[, reward])`: the model's turns are its actions (instead of
-    `tools`). docs/agents.md."""
-    max_turns: int = 4
-    """easyvlm extra. Most model turns per sample with `tools` or an `environment`."""
-    max_tokens_per_turn: Optional[int] = None
-    """easyvlm extra. Most tokens the model writes in one turn with `tools` or an `environment`;
-    None = what is left of `data.max_response_length`, which bounds the whole trajectory (tool
-    tokens included)."""
-    tool_timeout: float = 10.0
-    """easyvlm extra. Seconds a tool call or environment step may take; a call that takes longer is
-    answered with an error message."""
+    # here: the multi-turn keys, tools ... tool_timeout (AgentSettings)
     val_override_config: dict[str, Any] = field(default_factory=dict)
     """Sampling settings that differ for validation, e.g. `{n: 1, temperature: 0.6}`: any field of
     vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)

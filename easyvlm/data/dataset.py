@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.config.schema import DataConfig
+from easyvlm.data.settings import DataConfig
 from easyvlm.data.batch import ORIGINAL_IMAGES_KEY
 from easyvlm.data.images import (
     ImageLoadError,

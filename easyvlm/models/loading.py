@@ -1,6 +1,6 @@
 """Load the policy / reference / critic models from a ``ModelSpec``; tokenizer and processor.
 
-The worker side reads only its ``ModelSpec`` (easyvlm/specs.py): the directory is local and
+The worker side reads only its ``ModelSpec`` (easyvlm/models/specs.py): the directory is local and
 the transformers config already carries ``model.override_config``. The driver side resolves paths
 and builds the config (:func:`load_hf_config`, :func:`apply_config_overrides`) and loads the
 tokenizer and processor once (:func:`load_tokenizer_and_processor`).
@@ -34,7 +34,7 @@ from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
 from easyvlm.models.reward_model import ScalarHeadModel, register_sequence_classification
 from easyvlm.models.vision_attention import batch_vision_windows
-from easyvlm.specs import LoraSpec, ModelSpec
+from easyvlm.models.specs import LoraSpec, ModelSpec
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from easyvlm.agents.loop import TRAJECTORY_KEY, trajectory_metrics
 from easyvlm.data.batch import Batch
 from easyvlm.pipeline.scoring import Scorer
 from easyvlm.rollout.base import VAL_CALL, seeded_prompts
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.viewer.records import RolloutCapture, capture_rollouts
 
 Generate = Callable[[Batch, Sampling], Batch]

@@ -9,7 +9,7 @@ What happens here and nowhere else:
 - the policy's files are loaded once: its transformers config (``override_config`` applied), its
   tokenizer and processor (``trust_remote_code`` honoured), the token ids every role agrees on;
 - the checks that need the model or the device (`model_problems`) run, still before Ray starts;
-- each role gets its typed slice (``easyvlm.specs``) with its loss bound to its hyperparameters.
+- each role gets its typed slice (``easyvlm.<package>.specs``, beside the role) with its own settings.
 """
 
 from __future__ import annotations
@@ -21,21 +21,16 @@ from typing import Any, Optional
 
 from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.names import canonical_dtype
+from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import ModelConfig
+from easyvlm.config.worker_schema import ModelConfig, RewardConfig
 from easyvlm.config.validate import notices
-from easyvlm.specs import (
-    DriverSpec,
-    ActorSpec,
-    AgentSpec,
-    CriticSpec,
-    ModelBundle,
-    JudgeSpec,
-    RefSpec,
-    RewardModelSpec,
-    RolloutSpec,
-)
+from easyvlm.agents.specs import AgentSpec
+from easyvlm.models.specs import ModelBundle
+from easyvlm.plan.specs import DriverSpec
+from easyvlm.rewards.specs import JudgeSpec
+from easyvlm.rollout.specs import RolloutSpec
+from easyvlm.workers.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec
 from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
 from easyvlm.plan.driver import driver_spec
 from easyvlm.plan.stages import batch_stages
@@ -203,26 +198,39 @@ def agent_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AgentSpec]:
             raise ConfigError([Problem("worker.rollout.tools", (
                 "the model's chat template shows the model no tool-call format (no <tool_call> tags), so it cannot "
                 "call tools; use a tool-calling model (Qwen2.5-VL, Qwen3-VL) or data.override_chat_template"))])
-    return AgentSpec(
-        tools=tuple(r.tools), tool_schemas=schemas, environment=r.environment, max_turns=r.max_turns,
-        max_tokens_per_turn=r.max_tokens_per_turn, tool_timeout=r.tool_timeout,
-    )
+    return AgentSpec(settings=r.agent, tool_schemas=schemas)
 
 
 def reward_settings(cfg: PPOConfig) -> Any:
     """The reward settings, with every reward file loaded and its function's signature checked here,
     in the driver: a missing function or a wrong signature is a config error, not a traceback later."""
     from easyvlm.rewards.loader import load_reward_function
-    from easyvlm.rewards.manager import RewardSettings
     from easyvlm.rewards.types import RewardError
 
     try:
-        settings = RewardSettings.from_config(cfg.worker.reward)
+        settings = reward_settings_of(cfg.worker.reward)
         for spec in settings.functions:
             load_reward_function(spec)
     except RewardError as err:
         raise ConfigError([Problem("worker.reward", str(err.args[0]))]) from err
     return settings
+
+
+def reward_settings_of(reward: RewardConfig) -> Any:
+    """``worker.reward`` as the reward manager's `RewardSettings` (relative paths are resolved
+    against the current working directory, here in the driver, before the settings travel to Ray)."""
+    from easyvlm.rewards.loader import RewardFunctionSpec
+    from easyvlm.rewards.manager import RewardSettings
+    from easyvlm.rewards.types import RewardError
+
+    if reward.reward_functions:
+        specs = [RewardFunctionSpec(f.reward_function, dict(f.reward_function_kwargs), float(f.weight), reward.reward_type)
+                 for f in reward.reward_functions]
+    elif reward.reward_function:
+        specs = [RewardFunctionSpec(reward.reward_function, dict(reward.reward_function_kwargs), 1.0, reward.reward_type)]
+    else:
+        raise RewardError("worker.reward.reward_function is unset: give path/to/file.py:func")
+    return RewardSettings(tuple(specs), reward.timeout, reward.on_error, reward.num_workers)
 
 
 def device_notices(cfg: PPOConfig, device: str) -> list[str]:

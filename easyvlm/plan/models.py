@@ -5,19 +5,12 @@ its model from."""
 
 from __future__ import annotations
 
-
 import easyvlm.builtin
+from easyvlm.config.checks import lora_module_names
+from easyvlm.config.compose import settings_of
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.worker_schema import ModelConfig
-from easyvlm.config.checks import lora_module_names
-from easyvlm.specs import (
-    LoraSpec,
-    ModelBundle,
-    ModelSpec,
-    TokenIds,
-)
-
-
+from easyvlm.models.specs import LoraSpec, ModelBundle, ModelSpec, TokenIds
 
 
 def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBundle:
@@ -67,15 +60,12 @@ def model_spec(model: ModelConfig, model_dir: str, trainable_lora: bool, key: st
         hf_config = load_hf_config(model_dir, dict(model.override_config), model.trust_remote_code)
     except UnknownOverrideError as err:
         raise ConfigError([Problem(err.key.replace("model.override_config", f"{key}.override_config", 1), str(err))]) from err
-    return ModelSpec(
+    # trust_remote_code, attn_implementation and freeze_vision_tower: the model section's keys
+    return settings_of(
+        ModelSpec, model,
         model_dir=model_dir,
         hf_config=hf_config,
-        trust_remote_code=model.trust_remote_code,
-        attn_implementation=model.attn_implementation,
         lora=lora_spec,
-        freeze_vision_tower=model.freeze_vision_tower,
         gradient_checkpointing=model.enable_gradient_checkpointing,
         model_path=model.model_path or "",
     )
-
-

@@ -1,5 +1,5 @@
 """The per-role slices of the run plan: what the actor, the reference model, the critic, the
-rollout engine, the reward model and the judge are each given (``easyvlm.specs``), made from the
+rollout engine, the reward model and the judge are each given (their ``specs`` modules), made from the
 validated config, the derived batch sizes and the model bundle."""
 
 from __future__ import annotations
@@ -7,31 +7,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.names import canonical_dtype
+from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
-from easyvlm.specs import (
-    ActorSpec,
-    CriticSpec,
-    EngineSpec,
-    ForwardSpec,
-    KLLossSpec,
-    MicroBatching,
-    ModelBundle,
-    PolicyLossSpec,
-    JudgeSpec,
-    RefSpec,
-    RewardModelSpec,
-    RolloutSpec,
-    Sampling,
-    TokenIds,
-    UpdateSpec,
+from easyvlm.models.specs import ModelBundle, TokenIds
+from easyvlm.rewards.specs import JudgeSpec
+from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling
+from easyvlm.workers.specs import (
+    ActorSpec, CriticSpec, ForwardSpec, MicroBatching, PolicyLossSpec, RefSpec, RewardModelSpec, UpdateSpec,
 )
 from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
-
-
 from easyvlm.plan.models import load_bundle, model_spec
 
 
@@ -49,60 +37,42 @@ def _micro(cfg: PPOConfig, role: ActorConfig | CriticConfig, size: int) -> Micro
 
 
 def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds) -> ForwardSpec:
-    actor = cfg.worker.actor
-    return ForwardSpec(
-        padding_free=role.padding_free,
-        share_prompts=role.share_prompts,
+    """A role's forward passes: padding_free, share_prompts and ulysses_size are the role's keys."""
+    return settings_of(
+        ForwardSpec, role,
         temperature=cfg.worker.rollout.temperature,
         blocked_token_ids=tokens.blocked,
-        use_torch_compile=actor.use_torch_compile,  # EasyR1 has the key on the actor only
-        ulysses_size=role.ulysses_size,
+        use_torch_compile=cfg.worker.actor.use_torch_compile,  # EasyR1 has the key on the actor only
         experience=_micro(cfg, role, role.micro_batch_size_per_device_for_experience),
         router_replay=getattr(role, "router_replay", "disabled"),  # the actor's (MoE policies)
     )
 
 
 def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatching) -> UpdateSpec:
-    return UpdateSpec(
-        ppo_epochs=role.ppo_epochs,
+    """A role's update: ppo_epochs, max_grad_norm, loss_avg_mode and optim are the role's keys."""
+    return settings_of(
+        UpdateSpec, role,
         mini_batch_per_rank=batching.mini_batch_per_device,
         optimizer_steps_per_step=batching.optimizer_steps_per_step,
         micro=_micro(cfg, role, role.micro_batch_size_per_device_for_update),
-        max_grad_norm=role.max_grad_norm,
-        loss_avg_mode=role.loss_avg_mode,
         norm_length=cfg.data.max_response_length,
-        optim=role.optim,
     )
 
 
 def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSpec:
-    actor, algo = cfg.worker.actor, cfg.algorithm
-    return ActorSpec(
+    """The actor: its model, sections and the settings of its losses as configured (fsdp, offload,
+    the policy loss, the entropy bonus; the KL settings when the KL is a term of its loss)."""
+    actor = cfg.worker.actor
+    loss = actor.policy_loss
+    # a file.py:func loss runs in the workers, maybe on nodes without the file: its text travels
+    source = read_plugin_source(loss.loss_type) if is_plugin_spec(loss.loss_type) else None
+    return settings_of(
+        ActorSpec, actor,
         model=bundle.policy,
-        fsdp=actor.fsdp,
-        offload=actor.offload,
         forward=_forward(cfg, actor, bundle.tokens),
         update=_update(cfg, actor, derived.actor),
-        policy_loss=PolicyLossSpec(
-            name=actor.loss_type,
-            clip_ratio_low=actor.clip_ratio_low,
-            clip_ratio_high=actor.clip_ratio_high,
-            clip_ratio_dual=actor.clip_ratio_dual,
-            tau_positive=actor.tau_positive,
-            tau_negative=actor.tau_negative,
-            loss_avg_mode=actor.loss_avg_mode,
-            clip_cov_ratio=actor.clip_cov_ratio,
-            clip_cov_lb=actor.clip_cov_lb,
-            clip_cov_ub=actor.clip_cov_ub,
-            kl_cov_ratio=actor.kl_cov_ratio,
-            ppo_kl_coef=actor.ppo_kl_coef,
-            top_entropy_quantile=actor.top_entropy_quantile,
-            off_policy_mask_threshold=actor.off_policy_mask_threshold,
-            # a file.py:func loss runs in the workers, maybe on nodes without the file: its text travels
-            source=read_plugin_source(actor.loss_type) if is_plugin_spec(actor.loss_type) else None,
-        ),
-        kl_loss=KLLossSpec(algo.kl_coef, algo.kl_penalty, algo.use_bias_correction_kl) if derived.kl_in_loss else None,
-        entropy_coeff=actor.entropy_coeff,
+        policy_loss=PolicyLossSpec(loss, source),
+        kl_loss=cfg.algorithm.kl if derived.kl_in_loss else None,
         seed=cfg.trainer.seed,
         files=bundle,
         router_aux_loss_coef=router_aux_loss_coef(actor.router_aux_loss_coef, bundle.policy.hf_config),
@@ -129,7 +99,7 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
     forward = _forward(cfg, cfg.worker.actor, bundle.tokens)
     # the reference replays the sampler's experts under R3 only (R2 replays in the update alone)
     forward = dataclasses.replace(forward, router_replay="R3" if forward.router_replay == "R3" else "disabled")
-    return RefSpec(model=model, fsdp=ref.fsdp, offload=ref.offload, forward=forward)
+    return settings_of(RefSpec, ref, model=model, forward=forward)
 
 
 def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
@@ -149,13 +119,11 @@ def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> Critic
         attn_implementation=critic.model.attn_implementation,
         trust_remote_code=critic.model.trust_remote_code,
     )
-    return CriticSpec(
+    return settings_of(
+        CriticSpec, critic,
         model=model,
-        fsdp=critic.fsdp,
-        offload=critic.offload,
         forward=_forward(cfg, critic, bundle.tokens),
         update=_update(cfg, critic, derived.critic),
-        cliprange_value=critic.cliprange_value,
         seed=cfg.trainer.seed,
     )
 
@@ -165,13 +133,11 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
     from easyvlm.rollout.base import sampling_with_overrides
 
     r, data = cfg.worker.rollout, cfg.data
-    sampling = Sampling(
-        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=data.max_response_length,
-        ignore_eos=r.ignore_eos,
-    )
-    mm = vllm_mm_processor_kwargs(bundle.processor)  # vLLM resizes with the processor's limits, as the data does
-    engine = EngineSpec(
-        name=r.name,
+    # n, temperature, top_p, top_k, ignore_eos: the rollout's keys
+    sampling = settings_of(Sampling, r, max_tokens=data.max_response_length)
+    # the engine's own keys (name, seed, gpu_memory_utilization, enforce_eager, ...) by name; the rest derived
+    engine = settings_of(
+        EngineSpec, r,
         model_dir=bundle.policy.model_dir,
         hf_config=bundle.policy.hf_config,
         hf_config_overrides=dict(cfg.worker.actor.model.override_config),
@@ -179,30 +145,21 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
         trust_remote_code=bundle.policy.trust_remote_code,
         device=device,
         dtype=canonical_dtype(r.dtype),
-        seed=r.seed,
         max_model_len=derived.rollout_max_model_len,
-        max_num_batched_tokens=r.max_num_batched_tokens,
         max_num_seqs=derived.rollout_max_num_seqs,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        enforce_eager=r.enforce_eager,
-        enable_chunked_prefill=r.enable_chunked_prefill,
-        tensor_parallel_size=r.tensor_parallel_size,
-        limit_images=r.limit_images,
-        disable_log_stats=r.disable_log_stats,
-        disable_tqdm=r.disable_tqdm,
-        mm_processor_kwargs=mm,
+        mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),  # vLLM resizes as the data does
         sequence_tokens=data.max_prompt_length + data.max_response_length,
         model_path=bundle.policy.model_path,
         tokenizer_path=bundle.tokenizer_path,
         record_routing=cfg.worker.actor.router_replay == "R3",
     )
-    return RolloutSpec(
+    return settings_of(
+        RolloutSpec, r,
         engine=engine,
         sampling=sampling,
         val_sampling=sampling_with_overrides(sampling, r.val_override_config),
         response_length=data.max_response_length,
         tokens=bundle.tokens,
-        per_request_seed=r.per_request_seed,
     )
 
 
@@ -219,8 +176,8 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
         return None
     key = "worker.reward_model.model"
     assert rm.model.model_path, "validate() requires the reward model's path"
-    files = ModelConfig(model_path=rm.model.model_path, override_config=dict(rm.model.override_config),
-                        trust_remote_code=rm.model.trust_remote_code, attn_implementation=rm.model.attn_implementation,
+    # model_path, trust_remote_code and attn_implementation are the reward model's keys
+    files = settings_of(ModelConfig, rm.model, override_config=dict(rm.model.override_config),
                         enable_gradient_checkpointing=False)
     model = model_spec(files, resolve_model_path(rm.model.model_path), trainable_lora=False, key=key)
     problem = reward_model_problem(model.hf_config, f"{key}.model_path ({model.model_dir})")
@@ -241,13 +198,13 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
         padding_free=rm.padding_free, share_prompts=True, temperature=1.0, blocked_token_ids=(), use_torch_compile=False,
         ulysses_size=1, experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
     )
-    return RewardModelSpec(model=model, fsdp=rm.fsdp, forward=forward, normalize=rm.normalize)
+    return settings_of(RewardModelSpec, rm, model=model, forward=forward)
 
 
 def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpec]:
     """The judge's slice: its files loaded here (model config, tokenizer, processor), its template
     compiled and its parser loaded, so that a broken one is a config error before anything starts."""
-    from easyvlm.config.schema import DataConfig
+    from easyvlm.data.settings import DataConfig
     from easyvlm.data.videos import vllm_mm_processor_kwargs
     from easyvlm.rewards.judge import load_template
     from easyvlm.utils.plugins import PluginError, load_plugin
@@ -278,9 +235,8 @@ def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpe
                           tokens=bundle.tokens, per_request_seed=False)
     data = DataConfig(prompt_key="prompt", answer_key="answer", image_key="images", max_prompt_length=j.max_prompt_length,
                       min_pixels=j.min_pixels, max_pixels=j.max_pixels, prompt_truncation="error")
-    return JudgeSpec(rollout=rollout, data=data, tokenizer=bundle.tokenizer, processor=bundle.processor,
-                     template=j.template, parser=j.parser, num_workers=j.num_workers, timeout=j.timeout,
-                     on_error=j.on_error, cache_size=j.cache_size)
+    # template, parser, num_workers, timeout, on_error and cache_size are the judge's keys
+    return settings_of(JudgeSpec, j, rollout=rollout, data=data, tokenizer=bundle.tokenizer, processor=bundle.processor)
 
 
 def with_total_steps(spec: ActorSpec | CriticSpec, total_steps: int) -> Any:

@@ -8,16 +8,16 @@ from __future__ import annotations
 from typing import Optional
 
 from easyvlm.algorithms.rollout_correction import parse_rollout_correction
-from easyvlm.specs import ActorSpec, CriticSpec, DriverSpec
+from easyvlm.plan.specs import DriverSpec
+from easyvlm.workers.specs import ActorSpec, CriticSpec
 from easyvlm.workers.actor import update_is_on_policy
 
 
 def batch_stages(driver: DriverSpec, actor: ActorSpec, critic: Optional[CriticSpec]) -> tuple[str, ...]:
     adv = driver.advantage
     rc = adv.rollout_correction
-    correction = parse_rollout_correction(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
-                                          rc.rollout_rs, rc.rollout_rs_threshold)
-    full_kl = adv.kl_penalty == "full"
+    correction = parse_rollout_correction(rc)
+    full_kl = adv.kl.kl_penalty == "full"
     stages: list[str] = []
     if driver.rounds.baseline:  # ReMax
         stages.append("remax_baseline")

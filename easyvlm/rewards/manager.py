@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from easyvlm.config.worker_schema import RewardConfig
 from easyvlm.rewards.loader import LoadedReward, RewardFunctionSpec, load_reward_function
 from easyvlm.rewards.process import ServingProcess, StartError
 from easyvlm.rewards.types import RewardError, RewardInput, RewardResult
@@ -42,7 +41,8 @@ ON_ERROR = ("raise", "zero")
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """What a RewardManager needs; built from the config in the driver, shipped to the reward actor.
+    """What a RewardManager needs; built from the config in the driver (``easyvlm.plan.build``),
+    shipped to the reward actor.
 
     functions: the reward functions; with several, ``overall`` is their weighted sum. Relative paths
         are resolved against the working directory when the settings are made.
@@ -64,26 +64,6 @@ class RewardSettings:
         assert self.timeout is None or self.timeout > 0, self.timeout
         assert self.num_workers >= 1, self.num_workers
         object.__setattr__(self, "functions", tuple(s.resolved() for s in self.functions))
-
-    @classmethod
-    def from_config(cls, cfg: RewardConfig) -> "RewardSettings":
-        """From ``PPOConfig.worker.reward`` (a RewardConfig). Relative paths are resolved against the
-        current working directory here, in the driver, before the settings travel to Ray."""
-        if cfg.reward_functions:
-            specs = [
-                RewardFunctionSpec(
-                    f.reward_function,
-                    dict(f.reward_function_kwargs),
-                    float(f.weight),
-                    cfg.reward_type,
-                )
-                for f in cfg.reward_functions
-            ]
-        elif cfg.reward_function:
-            specs = [RewardFunctionSpec(cfg.reward_function, dict(cfg.reward_function_kwargs), 1.0, cfg.reward_type)]
-        else:
-            raise RewardError("worker.reward.reward_function is unset: give path/to/file.py:func")
-        return cls(tuple(specs), cfg.timeout, cfg.on_error, cfg.num_workers)
 
 
 @dataclass

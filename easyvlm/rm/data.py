@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from easyvlm.config.schema import DataConfig
+from easyvlm.data.settings import DataConfig
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import collate_prompts
 from easyvlm.data.dataset import RLDataset, RowError

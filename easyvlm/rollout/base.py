@@ -26,7 +26,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import PROMPT_KEYS, ROUTED_EXPERTS_KEY, Batch
 from easyvlm.rollout.postprocess import build_rollout_batch
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 
 # Optional object key of a prompt Batch: one int seed per prompt (seeded sampling).
 SEED_KEY = "sampling_seed"

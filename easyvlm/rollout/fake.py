@@ -13,7 +13,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import RolloutEngine
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 
 Respond = Callable[[list[int], int], Sequence[int]]
 

@@ -31,11 +31,12 @@ from transformers import (
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.loading import is_vision_language_config
+from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import to_model_layout
 from easyvlm.models.vision_attention import batch_vision_windows
 from easyvlm.rollout.base import RolloutEngine, is_greedy, mix_seeds
 from easyvlm.rollout.routing_record import RoutingRecorder
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import RolloutSpec, Sampling
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -97,48 +98,32 @@ def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
 class HFRolloutEngine(RolloutEngine):
     """transformers ``generate`` behind the RolloutEngine interface.
 
-    model_path: a local model directory with its ``hf_config`` (or pass ``model``, e.g. a copy of
-    the actor's module). dtype: ``worker.rollout.dtype``; float32 on the CPU whatever it says. micro_batch_size: rows
-    per ``generate`` call (``worker.rollout.max_num_seqs``). seed: on the CPU, the engine's own RNG
-    stream, kept apart from the process's global torch RNG; on GPUs sampling uses the device's RNG.
+    spec: the plan's `RolloutSpec`. Of its `EngineSpec`: the model is loaded from this node's copy
+    of ``model_dir`` (``easyvlm.models.paths.local_model_dir``), or ``model`` is used as it is (e.g.
+    a copy of the actor's module); ``dtype``: float32 on the CPU whatever it says;
+    ``max_num_seqs``: rows per ``generate`` call; ``seed``: on the CPU, the engine's own RNG stream,
+    kept apart from the process's global torch RNG (on GPUs sampling uses the device's RNG).
     """
 
-    def __init__(
-        self,
-        model_path: str | None,
-        sampling: Sampling,
-        response_length: int,
-        pad_token_id: int,
-        eos_token_ids: Sequence[int],
-        blocked_token_ids: Sequence[int],
-        hf_config: Any = None,
-        trust_remote_code: bool = False,
-        dtype: str = "fp32",
-        device: str = "cpu",
-        seed: int = 1,
-        micro_batch_size: int | None = None,
-        model: torch.nn.Module | None = None,
-        record_routing: bool = False,
-    ):
-        super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
-        if (model is None) == (model_path is None):
-            raise ValueError("HFRolloutEngine needs exactly one of model_path and model")
-        self.device = device
-        torch_dtype = torch.float32 if device == "cpu" else DTYPES.get(dtype, torch.float32)
+    def __init__(self, spec: RolloutSpec, model: torch.nn.Module | None = None):
+        super().__init__(spec.sampling, spec.response_length, spec.tokens.pad, spec.tokens.eos, spec.tokens.blocked)
+        engine = spec.engine
+        self.device = device = engine.device
+        torch_dtype = torch.float32 if device == "cpu" else DTYPES.get(engine.dtype, torch.float32)
         if model is None:
-            assert hf_config is not None, "HFRolloutEngine(model_path=...) needs the model's hf_config"
-            model = load_generation_model(model_path, hf_config, torch_dtype, device, trust_remote_code)
+            model_dir = local_model_dir(engine.model_dir, engine.model_path)
+            model = load_generation_model(model_dir, engine.hf_config, torch_dtype, device, engine.trust_remote_code)
         self.model = model
         # MoE, router replay R3: the experts of every token generate() feeds the model (routing_record.py)
-        self.routing = RoutingRecorder(model) if record_routing else None
+        self.routing = RoutingRecorder(model) if engine.record_routing else None
         # Neutral defaults: generate() fills every unset field from model.generation_config.
         self.model.generation_config = GenerationConfig()
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size = engine.max_num_seqs
         self.weight_sync_device = device
         self._weights = unique_weights(self.model)  # what sleep() parks in host memory
         self._host_copies: list[Tensor] = []
         self._parked = False  # the weights wait in host memory (sleep)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(engine.seed)
         self._rng_state = generator.get_state()
 
     def _generation_config(self, sampling: Sampling) -> GenerationConfig:

@@ -49,11 +49,17 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa
 from easyvlm.data.batch import Batch  # noqa: E402
 from easyvlm.models.checkpoint_layout import to_checkpoint_layout  # noqa: E402
 from easyvlm.models.paths import local_model_dir  # noqa: E402
-from easyvlm.specs import EngineSpec  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine  # noqa: E402
-from easyvlm.specs import Sampling  # noqa: E402
+from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling  # noqa: E402
 from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
+
+# the fields of a Sampling that vLLM's SamplingParams takes under the same names (n and the extra
+# overrides are passed apart)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "ignore_eos")
+# the fields of an EngineSpec that vLLM's LLM takes under the same names
+ENGINE_FIELDS = ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
+                 "enforce_eager", "tensor_parallel_size", "disable_log_stats", "trust_remote_code")
 
 BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
 # The smallest CPU KV cache that sleep() hands back to the OS between generations. Every page taken
@@ -131,20 +137,12 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
         model=local_model_dir(engine.model_dir, engine.model_path),  # this node's copy (builtin and hub models are resolved per node)
         tokenizer=local_model_dir(engine.tokenizer_dir, engine.tokenizer_path),
         dtype="float32" if on_cpu else DTYPES[engine.dtype],
-        seed=engine.seed,
-        max_model_len=engine.max_model_len,
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        enable_chunked_prefill=engine.enable_chunked_prefill,
-        enforce_eager=engine.enforce_eager,
-        tensor_parallel_size=engine.tensor_parallel_size,
-        disable_log_stats=engine.disable_log_stats,
+        **{name: getattr(engine, name) for name in ENGINE_FIELDS},
         logprobs_mode="processed_logprobs",
         logits_processors=[BlockedTokensLogitsProcessor],
         # Sampling comes only from easyvlm's config, never from the model's generation_config.json
         # (Qwen2.5-VL-Instruct's sets top_k=1 and repetition_penalty=1.05).
         generation_config="vllm",
-        trust_remote_code=engine.trust_remote_code,
     )
     if engine.hf_config_overrides:
         kwargs["hf_overrides"] = dict(engine.hf_config_overrides)
@@ -165,19 +163,12 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """``vllm.LLM`` behind the RolloutEngine interface, built from the plan's `EngineSpec`; the
-    sampling settings, ids and lengths come resolved from ``factory.build_rollout``."""
+    """``vllm.LLM`` behind the RolloutEngine interface, built from the plan's `RolloutSpec` (its
+    `EngineSpec`, and the sampling settings, ids and lengths every engine shares)."""
 
-    def __init__(
-        self,
-        engine: EngineSpec,
-        sampling: Sampling,
-        response_length: int,
-        pad_token_id: int,
-        eos_token_ids: Sequence[int],
-        blocked_token_ids: Sequence[int],
-    ):
-        super().__init__(sampling, response_length, pad_token_id, eos_token_ids, blocked_token_ids)
+    def __init__(self, spec: RolloutSpec):
+        super().__init__(spec.sampling, spec.response_length, spec.tokens.pad, spec.tokens.eos, spec.tokens.blocked)
+        engine = spec.engine
         self.device = engine.device
         self.hf_config = engine.hf_config  # the family's checkpoint layout, for the weight sync
         self.chunked_prefill = engine.enable_chunked_prefill
@@ -197,11 +188,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return SamplingParams(
             seed=seed,
             n=1,  # prompts arrive repeated n times (greedy sampling in vLLM allows only n = 1)
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens,
-            ignore_eos=sampling.ignore_eos,
+            **{name: getattr(sampling, name) for name in SAMPLING_FIELDS},
             stop_token_ids=stop_ids,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=bool(extra.get("stop")),  # stop strings are matched on text

@@ -67,9 +67,10 @@ class Trainer:
         self.total_steps = self.derived.total_steps(len(train_loader.dataset))
         self.resume_from = resume_from
         adv = self.spec.advantage
-        self.kl_ctrl = build_kl_controller(adv.kl_type, adv.kl_coef, adv.kl_target, adv.kl_horizon)
+        self.kl_ctrl = build_kl_controller(adv.kl.kl_type, adv.kl.kl_coef, adv.kl.kl_target, adv.kl.kl_horizon)
         ent = self.spec.entropy_control  # worker.actor.use_adaptive_entropy: the actor's coefficient, per step
-        self.entropy_ctrl = (AdaptiveEntropyController(ent.init_coeff, ent.target, ent.delta, ent.coeff_min, ent.coeff_max)
+        self.entropy_ctrl = (AdaptiveEntropyController(ent.entropy_coeff, ent.entropy_target, ent.entropy_coeff_delta,
+                                                       ent.entropy_coeff_min, ent.entropy_coeff_max)
                              if ent is not None else None)
         records = self.spec.records
         self.ckpt = CheckpointManager(records.run_dir, records.save_limit)

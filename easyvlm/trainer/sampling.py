@@ -16,7 +16,8 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.pipeline.scoring import Scorer
 from easyvlm.rollout.base import TRAIN_CALL, seeded_prompts
-from easyvlm.specs import RoundsSpec, Sampling
+from easyvlm.plan.specs import RoundsSpec
+from easyvlm.rollout.specs import Sampling
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.scoring import concat_results, select_result
@@ -51,7 +52,7 @@ class StepSampler:
         all). Without online filtering every group is kept and rounds repeat until the step has its
         prompts; with it (DAPO's dynamic sampling) only groups whose mean ``filter_key`` lies inside
         (filter_low, filter_high) are kept, for at most ``trainer.max_try_make_batch`` rounds."""
-        spec = self.spec
+        spec, filtering = self.spec, self.spec.filtering
         wanted = spec.prompt_groups
         kept: list[Batch] = []
         results: list[Any] = []  # RewardResults (filtering) or Ray refs
@@ -59,36 +60,37 @@ class StepSampler:
         iterator = iter(self._refill(prompts))
         while n_kept < wanted:
             rounds += 1
-            if spec.online_filtering and spec.max_rounds > 0 and rounds > spec.max_rounds:
+            if filtering.online_filtering and spec.max_rounds > 0 and rounds > spec.max_rounds:
                 raise OnlineFilterError(
                     f"online filtering kept {n_kept} of {wanted} prompt groups after {spec.max_rounds} generation rounds "
                     f"(trainer.max_try_make_batch): almost every group scores all-right or all-wrong on "
-                    f"'{spec.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
+                    f"'{filtering.filter_key}'. Widen algorithm.filter_low/filter_high, raise max_try_make_batch "
                     f"(-1 = no limit), or turn algorithm.online_filtering off"
                 )
             batch = self.workers.rollout.generate(self.seeded(next(iterator), TRAIN_CALL, step, rounds - 1))
             reward_ref = self.scorer.submit(self.scorer.inputs(batch, training=True))
-            if not spec.online_filtering:  # every group is kept (rounds divide the step: validate)
+            if not filtering.online_filtering:  # every group is kept (rounds divide the step: validate)
                 kept.append(batch)
                 results.append(reward_ref)
                 n_kept += len(set(batch["uid"]))
                 continue
             result = ray.get(reward_ref)
-            if spec.filter_key not in result.scores:
+            if filtering.filter_key not in result.scores:
                 raise OnlineFilterError(
-                    f"algorithm.filter_key={spec.filter_key!r} is not a key the reward returns; keys: {sorted(result.scores)}"
+                    f"algorithm.filter_key={filtering.filter_key!r} is not a key the reward returns; keys: {sorted(result.scores)}"
                 )
-            keep = core.groups_in_range(batch["uid"], result.scores[spec.filter_key], spec.filter_low, spec.filter_high)
+            keep = core.groups_in_range(batch["uid"], result.scores[filtering.filter_key], filtering.filter_low,
+                                        filtering.filter_high)
             keep = keep[: wanted - n_kept]
             rows = core.rows_of_groups(batch["uid"], keep)
             if rows:
                 kept.append(batch.index(rows))
                 results.append(select_result(result, rows))
             n_kept += len(keep)
-        if spec.online_filtering or rounds > 1:
-            metrics["online_filtering/rounds" if spec.online_filtering else "generation/rounds"] = float(rounds)
+        if filtering.online_filtering or rounds > 1:
+            metrics["online_filtering/rounds" if filtering.online_filtering else "generation/rounds"] = float(rounds)
         batch = kept[0] if len(kept) == 1 else core.concat_rollouts(kept, self.pad_token_id)
-        if spec.online_filtering:
+        if filtering.online_filtering:
             return batch, concat_results(results)
         return batch, results  # refs: collected after the log-prob passes
 

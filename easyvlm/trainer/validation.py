@@ -7,7 +7,7 @@ from __future__ import annotations
 from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.pipeline.generate_and_score import generate_and_score
 from easyvlm.run.tracking import Generation, Tracker
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.trainer.sampling import StepSampler
 from easyvlm.viewer.writer import RolloutWriter
 

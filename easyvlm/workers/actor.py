@@ -32,7 +32,8 @@ from easyvlm.data.batch import POLICY_UPDATE_KEYS, ROUTED_EXPERTS_KEY, Batch
 from easyvlm.models.loading import is_vision_language_config
 from easyvlm.models.moe_routing import routing_state
 from easyvlm.models.ulysses import UlyssesGroup, loss_scale, new_ulysses_group
-from easyvlm.specs import ActorSpec, ModelBundle, PolicyLossSpec
+from easyvlm.models.specs import ModelBundle
+from easyvlm.workers.specs import ActorSpec, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, policy_logprobs_for_batch, policy_token_outputs
 from easyvlm.workers.vision_dummy import dummy_image_for
@@ -151,7 +152,7 @@ class ActorWorker:
         """One training step over this rank's samples (``easyvlm.workers.update``); returns metrics.
 
         entropy_coeff: this update's entropy-bonus coefficient, set by the driver's adaptive
-        controller (``worker.actor.use_adaptive_entropy``); None: ``spec.entropy_coeff``. When
+        controller (``worker.actor.use_adaptive_entropy``); None: ``spec.entropy.entropy_coeff``. When
         given, the metrics also carry actor/entropy, the token mean of the exact entropy over each
         mini-batch's valid tokens (averaged over mini-batches): the controller's measurement.
 
@@ -167,8 +168,8 @@ class ActorWorker:
         (``easyvlm.algorithms.rollout_mismatch``).
         """
         kl = self.spec.kl_loss
-        batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.penalty != "full" else ()))
-        assert kl is None or kl.penalty != "full" or self.reference_distribution is not None, "full KL: no reference"
+        batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.kl_penalty != "full" else ()))
+        assert kl is None or kl.kl_penalty != "full" or self.reference_distribution is not None, "full KL: no reference"
 
         update = self.spec.update
         # an on-policy step has one mini-batch (per rank: this rank's whole share) and one epoch
@@ -183,7 +184,7 @@ class ActorWorker:
         spec = self.spec
         mode = spec.update.loss_avg_mode
         mask = micro["response_mask"].to(self.device).bool()
-        full_kl = spec.kl_loss is not None and spec.kl_loss.penalty == "full"
+        full_kl = spec.kl_loss is not None and spec.kl_loss.kl_penalty == "full"
         outputs = policy_token_outputs(
             self.model, micro, self.setup, with_entropy=True,
             ref_log_distribution=self.reference_distribution(micro) if full_kl else None,
@@ -200,7 +201,7 @@ class ActorWorker:
         tensors = PolicyLossTensors(logprobs, old_logprobs, advantages, mask, weights, gate)
         pg_loss, pg_metrics = policy_loss(spec.policy_loss, tensors, normalizer)
         loss = pg_loss
-        coeff = spec.entropy_coeff if entropy_coeff is None else entropy_coeff  # the driver's, when adaptive
+        coeff = spec.entropy.entropy_coeff if entropy_coeff is None else entropy_coeff  # the driver's, when adaptive
         entropy_loss = aggregate_loss(entropy if coeff else entropy.detach(), mask, mode, normalizer)
         if coeff:
             loss = loss - coeff * entropy_loss
@@ -209,9 +210,9 @@ class ActorWorker:
             if full_kl:  # KL(pi || pi_ref) over the vocabulary, per token
                 kl = aggregate_loss(outputs["kl_full"], mask, mode, normalizer)
             else:
-                kl = kl_loss(logprobs, micro["ref_logprobs"].to(self.device), mask, spec.kl_loss.penalty, mode, normalizer,
-                             old_logprobs=old_logprobs if spec.kl_loss.bias_correction else None)
-            loss = loss + spec.kl_loss.coef * kl
+                kl = kl_loss(logprobs, micro["ref_logprobs"].to(self.device), mask, spec.kl_loss.kl_penalty, mode, normalizer,
+                             old_logprobs=old_logprobs if spec.kl_loss.use_bias_correction_kl else None)
+            loss = loss + spec.kl_loss.kl_coef * kl
             sums["kl_loss"] = kl.item()
         # the exact entropy above replaces the loss's one-sample estimate
         means = {k: float(v) for k, v in pg_metrics.items() if k != "entropy_loss"}
@@ -314,36 +315,17 @@ def token_gate(
 ) -> Tensor | None:
     """(B, T) bool: the tokens that carry the policy gradient under ``worker.actor.top_entropy_quantile``
     and ``off_policy_mask_threshold`` (``easyvlm.algorithms.token_filters``); None when both are off."""
-    gate = None
-    if spec.top_entropy_quantile < 1.0:
-        gate = high_entropy_gate(entropies.detach(), mask, spec.top_entropy_quantile)
-    if spec.off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_gate(advantages, logprobs, sampler_logprobs, mask, spec.off_policy_mask_threshold)
+    gate, settings = None, spec.settings
+    if settings.top_entropy_quantile < 1.0:
+        gate = high_entropy_gate(entropies.detach(), mask, settings.top_entropy_quantile)
+    if settings.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_gate(advantages, logprobs, sampler_logprobs, mask, settings.off_policy_mask_threshold)
         gate = kept if gate is None else gate & kept
     return gate
 
 
 def policy_loss(spec: PolicyLossSpec, tensors: PolicyLossTensors, normalizer: float) -> tuple[Tensor, dict[str, float]]:
     """The configured policy loss (a registered one, or a ``file.py:func`` plug-in run from the text the
-    driver read) over one micro-batch, with its hyperparameters from the plan."""
-    inputs = PolicyLossInputs(
-        logprobs=tensors.logprobs,
-        old_logprobs=tensors.old_logprobs,
-        advantages=tensors.advantages,
-        response_mask=tensors.response_mask,
-        clip_ratio_low=spec.clip_ratio_low,
-        clip_ratio_high=spec.clip_ratio_high,
-        clip_ratio_dual=spec.clip_ratio_dual,
-        tau_positive=spec.tau_positive,
-        tau_negative=spec.tau_negative,
-        loss_avg_mode=spec.loss_avg_mode,
-        normalizer=normalizer,
-        rollout_is_weights=tensors.rollout_is_weights,
-        token_gate=tensors.token_gate,
-        clip_cov_ratio=spec.clip_cov_ratio,
-        clip_cov_lb=spec.clip_cov_lb,
-        clip_cov_ub=spec.clip_cov_ub,
-        kl_cov_ratio=spec.kl_cov_ratio,
-        ppo_kl_coef=spec.ppo_kl_coef,
-    )
-    return get_policy_loss(spec.name, spec.source)(inputs)
+    driver read) over one micro-batch, with its settings from the plan."""
+    inputs = PolicyLossInputs(**tensors._asdict(), settings=spec.settings, normalizer=normalizer)
+    return get_policy_loss(spec.settings.loss_type, spec.source)(inputs)

@@ -7,7 +7,7 @@ for Qwen2-VL / Qwen2.5-VL / Qwen3-VL. The value of response token t is the outpu
 P - 1 + t, the state before the token is generated (as EasyR1 and verl read it).
 
 Built from the run plan's `CriticSpec`; the update is the shared loop of ``easyvlm.workers.update``
-with ``algorithms.value_loss.value_loss`` as the micro-batch loss.
+with ``algorithms.value_losses.value_loss`` as the micro-batch loss.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import os
 import torch
 from torch import Tensor
 
-from easyvlm.algorithms.value_loss import value_loss
+from easyvlm.algorithms.value_losses import value_loss
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import loss_scale, new_ulysses_group
-from easyvlm.specs import CriticSpec
+from easyvlm.workers.specs import CriticSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, outputs_with_vision, scatter_response
 from easyvlm.workers.vision_dummy import dummy_image_for

@@ -34,7 +34,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.workers.routing import routed_forward
 from easyvlm.workers.vision_dummy import MULTI_MODAL_KEY, DummyImage, with_dummy_image
-from easyvlm.specs import ForwardSpec
+from easyvlm.workers.specs import ForwardSpec
 from easyvlm.models.linear_attention import SEGMENTS_KWARG, has_linear_attention
 from easyvlm.models.moe_routing import RoutingState
 from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs

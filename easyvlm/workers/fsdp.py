@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from easyvlm.config.names import canonical_dtype
-from easyvlm.config.worker_schema import FSDPConfig
+from easyvlm.utils.dtypes import canonical_dtype
+from easyvlm.workers.settings import FSDPConfig
 
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -15,8 +15,8 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import new_ulysses_group
-from easyvlm.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec, RolloutSpec
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import RolloutSpec, Sampling
+from easyvlm.workers.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.workers.actor import ActorWorker
 from easyvlm.workers.dist import init_distributed

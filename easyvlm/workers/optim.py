@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from easyvlm.config.worker_schema import OptimConfig
+from easyvlm.workers.settings import OptimConfig
 
 # Parameters of these dtypes get a Kahan compensation buffer: adding a small update to them in
 # their own precision would lose it (a bfloat16 weight of 1.0 ignores any change below 2**-9).

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from easyvlm.data.batch import Batch
 from easyvlm.models.ulysses import UlyssesGroup, new_ulysses_group
-from easyvlm.specs import RefSpec
+from easyvlm.workers.specs import RefSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.models.moe_routing import routing_state
 from easyvlm.workers.forward import ForwardSetup, policy_log_distribution, policy_logprobs_for_batch

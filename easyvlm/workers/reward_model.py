@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
-from easyvlm.specs import RewardModelSpec
+from easyvlm.workers.specs import RewardModelSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, outputs_with_vision
 from easyvlm.workers.vision_dummy import dummy_image_for

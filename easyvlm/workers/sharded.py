@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from easyvlm.config.worker_schema import FSDPConfig
+from easyvlm.workers.settings import FSDPConfig
 from easyvlm.models.cpu_linear import onednn_linear_available, use_onednn_linears
 from easyvlm.models.loading import ModelRole, load_model
-from easyvlm.specs import ModelSpec
+from easyvlm.models.specs import ModelSpec
 from easyvlm.workers.fsdp import apply_fsdp, fsdp_plan
 
 

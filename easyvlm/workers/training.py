@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from easyvlm.data.batch import Batch
-from easyvlm.config.names import canonical_dtype
-from easyvlm.config.worker_schema import FSDPConfig
-from easyvlm.specs import MicroBatching
+from easyvlm.utils.dtypes import canonical_dtype
+from easyvlm.workers.settings import FSDPConfig
+from easyvlm.workers.specs import MicroBatching
 from easyvlm.utils.safe_state import SafeFileSystemReader, SafeLoadPlanner, load_state, rng_state, set_rng_state
 from easyvlm.workers.fsdp import DTYPES
 

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from easyvlm.algorithms.aggregation import loss_normalizer
-from easyvlm.config.worker_schema import OffloadConfig
+from easyvlm.workers.settings import OffloadConfig
 from easyvlm.data.batch import Batch
-from easyvlm.specs import UpdateSpec
+from easyvlm.workers.specs import UpdateSpec
 from easyvlm.workers.forward import micro_batches
 from easyvlm.workers.fsdp import load_model_to, load_optimizer_to, offload_model, offload_optimizer
 from easyvlm.workers.optim import build_optimizer, build_scheduler, step_scheduler

@@ -13,7 +13,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.data.collate import collate_prompts
 from easyvlm.data.dataset import PromptEncoder
 from easyvlm.data.images import LazyImages
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.rollout.postprocess import build_rollout_batch
 
 LOGPROB = -0.25  # what the scripted engine reports for every token it "samples"

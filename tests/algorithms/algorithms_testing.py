@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from easyvlm.algorithms.policy_losses import PolicyLossInputs
+from easyvlm.algorithms.settings import PolicyLossSettings
 
 
 @dataclass
@@ -37,3 +41,13 @@ def make_tiny_policy() -> TinyPolicy:
 def lengths_to_mask(lengths: list[int], width: int) -> Tensor:
     """[3, 1] -> [[T, T, T, F], [T, F, F, F]] for width 4: (B, T) bool, right padded."""
     return torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+
+
+SETTINGS_FIELDS = {f.name for f in dataclasses.fields(PolicyLossSettings)}
+
+
+def policy_loss_inputs(**kwargs) -> PolicyLossInputs:
+    """PolicyLossInputs from flat keyword arguments: the loss's hyperparameters (clip_ratio_low,
+    loss_avg_mode, ...) go into its PolicyLossSettings, the rest (tensors, normalizer) as they are."""
+    settings = PolicyLossSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in SETTINGS_FIELDS})
+    return PolicyLossInputs(settings=settings, **kwargs)

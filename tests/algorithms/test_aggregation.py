@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from algorithms_testing import lengths_to_mask
+from algorithms_testing import lengths_to_mask, policy_loss_inputs
 from torch.testing import assert_close
 
 from easyvlm.algorithms import (
@@ -100,7 +100,7 @@ def _actor_loss(policy, loss_type, mode, rows, mask, old, ref, adv, normalizer, 
     logits = policy.logits(rows, weight)[:, cols]
     logprobs = policy.logprobs(rows, weight)[:, cols]
     m = mask[rows][:, cols]
-    inputs = PolicyLossInputs(
+    inputs = policy_loss_inputs(
         logprobs=logprobs,
         old_logprobs=old[rows][:, cols],
         advantages=adv[rows][:, cols],
@@ -117,7 +117,7 @@ def _actor_loss(policy, loss_type, mode, rows, mask, old, ref, adv, normalizer, 
 
 
 # Clip-Cov and KL-Cov centre the covariance and count their tokens per micro-batch (as verl does;
-# covariance_losses.py): their selection, hence their gradient, depends on the split by design.
+# policy_losses.py): their selection, hence their gradient, depends on the split by design.
 SPLIT_INVARIANT_LOSSES = [name for name in policy_loss_names() if name not in ("clip_cov", "kl_cov")]
 
 

@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from algorithms_testing import lengths_to_mask
+from algorithms_testing import lengths_to_mask, policy_loss_inputs
 from torch.testing import assert_close
 
 from easyvlm.algorithms import AdvantageInputs, PolicyLossInputs, aggregate_loss, get_advantage, get_policy_loss, kl_loss
-from easyvlm.algorithms.covariance_losses import token_covariance
+from easyvlm.algorithms.policy_losses import token_covariance
 from easyvlm.algorithms.token_filters import high_entropy_gate, off_policy_sequence_gate
 
 NAN = float("nan")
@@ -24,7 +24,7 @@ def inputs_for(logprobs, ratios, advantages, lengths, **kwargs) -> PolicyLossInp
     mask = lengths_to_mask(lengths, len(logprobs[0]))
     logprobs = torch.tensor(logprobs).requires_grad_()
     old = (logprobs.detach() - torch.log(torch.tensor(ratios))).masked_fill(~mask, NAN)
-    return PolicyLossInputs(
+    return policy_loss_inputs(
         logprobs=logprobs, old_logprobs=old, advantages=torch.tensor(advantages).masked_fill(~mask, NAN),
         response_mask=mask, **kwargs,
     )

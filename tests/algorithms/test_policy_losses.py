@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from algorithms_testing import lengths_to_mask
+from algorithms_testing import lengths_to_mask, policy_loss_inputs
 from torch.testing import assert_close
 
 from easyvlm.algorithms import LOSS_AVG_MODES, PolicyLossInputs, get_policy_loss, policy_loss_names
@@ -21,7 +21,7 @@ def make_inputs(ratios, advantages, lengths, logprobs=None, **kwargs):
         logprobs = torch.full(ratios.shape, -1.0)
     logprobs = torch.as_tensor(logprobs, dtype=torch.float32).clone().requires_grad_()
     old_logprobs = (logprobs.detach() - torch.log(ratios)).masked_fill(~mask, NAN)
-    inputs = PolicyLossInputs(
+    inputs = policy_loss_inputs(
         logprobs=logprobs,
         old_logprobs=old_logprobs,
         advantages=torch.tensor(advantages).masked_fill(~mask, NAN),
@@ -152,7 +152,7 @@ def random_inputs(seed=0, **overrides):
         response_mask=mask,
     )
     kwargs.update(overrides)
-    return PolicyLossInputs(**kwargs)
+    return policy_loss_inputs(**kwargs)
 
 
 @pytest.mark.parametrize("mode", LOSS_AVG_MODES)
@@ -186,7 +186,7 @@ def test_one_gradient_step_moves_logprob_with_the_advantage(tiny_policy, name, m
     advantages = torch.zeros(8, 5)
     advantages[0] = sign  # only sequence 0 carries a signal
     before = tiny_policy.logprobs()
-    inputs = PolicyLossInputs(
+    inputs = policy_loss_inputs(
         logprobs=before,
         old_logprobs=before.detach(),  # on-policy: ratio 1
         advantages=advantages,

@@ -15,6 +15,7 @@ import torch
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
 from easyvlm.algorithms.rollout_correction import (
     RolloutCorrection,
+    RolloutCorrectionConfig,
     importance_weights,
     parse_is_threshold,
     parse_rejection,
@@ -123,13 +124,13 @@ def test_several_criteria_must_all_pass():
 
 
 def test_the_combined_correction_zeroes_the_weights_of_rejected_tokens():
-    c = parse_rollout_correction("token", "2.0", False, "seq_max_k2", "0.7")
+    c = parse_rollout_correction(RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold="0.7"))
     weights, keep, m = rollout_correction(OLD, ROLLOUT, MASK, c)
     assert keep.tolist() == [[True, True, True, False], [False, False, False, False]]
     torch.testing.assert_close(weights, torch.tensor([[2.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
     assert "rollout_is_mean" in m and "rollout_rs_masked_fraction" in m
     # nothing set: no weights, the mask unchanged
-    weights, keep, m = rollout_correction(OLD, ROLLOUT, MASK, parse_rollout_correction(None, "2.0", False, None, None))
+    weights, keep, m = rollout_correction(OLD, ROLLOUT, MASK, parse_rollout_correction(RolloutCorrectionConfig()))
     assert weights is None and torch.equal(keep, MASK) and m == {}
 
 

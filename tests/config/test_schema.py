@@ -209,8 +209,15 @@ def test_canonical_dtype():
 
 
 def test_config_package_imports_neither_torch_nor_vllm():
+    # the config check runs before anything heavy: it and the components' settings modules it
+    # composes stay torch-free (the packages' __init__ modules included), and so does the CLI's
+    # parse-and-validate path on a real config
     code = (
-        "import sys, easyvlm.config, easyvlm.config.cli, easyvlm.config.reference; "
+        "import sys, easyvlm.config, easyvlm.config.cli, easyvlm.config.reference, easyvlm.config.validate; "
+        "import easyvlm.algorithms.settings, easyvlm.algorithms.rollout_correction_settings, "
+        "easyvlm.workers.settings, easyvlm.data.settings, easyvlm.agents.settings, easyvlm.utils.dtypes; "
+        "cfg = easyvlm.config.cli.parse_and_validate(['config=examples/config.yaml']); "
+        "cfg.worker.actor.policy_loss, cfg.algorithm.kl; "
         "bad = [m for m in ('torch', 'vllm', 'transformers', 'ray') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -21,7 +21,7 @@ from easyvlm.models.loading import (
     load_tokenizer_and_processor,
 )
 from easyvlm.models.padding_free import VARLEN_ATTENTION
-from easyvlm.specs import LoraSpec, ModelSpec
+from easyvlm.models.specs import LoraSpec, ModelSpec
 
 # EasyR1's documented comma form (examples/config.yaml), split into a tuple by the plan builder
 EASYR1_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

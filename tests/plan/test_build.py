@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 from plan_testing import REPO, config_for, plan_for
 
+from easyvlm.algorithms.settings import KLSettings
 from easyvlm.config.errors import ConfigError
 from easyvlm.plan.build import pick_device
-from easyvlm.specs import KLLossSpec, LoraSpec
+from easyvlm.models.specs import LoraSpec
 from easyvlm.rewards.loader import RewardFunctionSpec
 
 GAE = ("algorithm.adv_estimator=gae",)
@@ -83,29 +84,29 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("data.max_response_length", "48", "actor.update.norm_length", 48),
     ]),
     "actor loss": (("algorithm.use_kl_loss=true",), "cpu", [
-        ("worker.actor.loss_type", "sapo", "actor.policy_loss.name", "sapo"),
-        ("worker.actor.clip_ratio_low", "0.1", "actor.policy_loss.clip_ratio_low", 0.1),
-        ("worker.actor.clip_ratio_high", "0.4", "actor.policy_loss.clip_ratio_high", 0.4),
-        ("worker.actor.clip_ratio_dual", "4.0", "actor.policy_loss.clip_ratio_dual", 4.0),
-        ("worker.actor.tau_positive", "0.9", "actor.policy_loss.tau_positive", 0.9),
-        ("worker.actor.tau_negative", "1.2", "actor.policy_loss.tau_negative", 1.2),
-        ("worker.actor.loss_avg_mode", "seq", "actor.policy_loss.loss_avg_mode", "seq"),
-        ("worker.actor.entropy_coeff", "0.01", "actor.entropy_coeff", 0.01),
-        ("algorithm.kl_penalty", "low_var_kl", "actor.kl_loss.penalty", "low_var_kl"),
-        ("algorithm.kl_coef", "0.05", "actor.kl_loss.coef", 0.05),
+        ("worker.actor.loss_type", "sapo", "actor.policy_loss.settings.loss_type", "sapo"),
+        ("worker.actor.clip_ratio_low", "0.1", "actor.policy_loss.settings.clip_ratio_low", 0.1),
+        ("worker.actor.clip_ratio_high", "0.4", "actor.policy_loss.settings.clip_ratio_high", 0.4),
+        ("worker.actor.clip_ratio_dual", "4.0", "actor.policy_loss.settings.clip_ratio_dual", 4.0),
+        ("worker.actor.tau_positive", "0.9", "actor.policy_loss.settings.tau_positive", 0.9),
+        ("worker.actor.tau_negative", "1.2", "actor.policy_loss.settings.tau_negative", 1.2),
+        ("worker.actor.loss_avg_mode", "seq", "actor.policy_loss.settings.loss_avg_mode", "seq"),
+        ("worker.actor.entropy_coeff", "0.01", "actor.entropy.entropy_coeff", 0.01),
+        ("algorithm.kl_penalty", "low_var_kl", "actor.kl_loss.kl_penalty", "low_var_kl"),
+        ("algorithm.kl_coef", "0.05", "actor.kl_loss.kl_coef", 0.05),
         ("trainer.seed", "7", "actor.seed", 7),
-        ("worker.actor.top_entropy_quantile", "0.2", "actor.policy_loss.top_entropy_quantile", 0.2),
-        ("worker.actor.off_policy_mask_threshold", "0.5", "actor.policy_loss.off_policy_mask_threshold", 0.5),
-        ("algorithm.use_bias_correction_kl", "true", "actor.kl_loss.bias_correction", True),
+        ("worker.actor.top_entropy_quantile", "0.2", "actor.policy_loss.settings.top_entropy_quantile", 0.2),
+        ("worker.actor.off_policy_mask_threshold", "0.5", "actor.policy_loss.settings.off_policy_mask_threshold", 0.5),
+        ("algorithm.use_bias_correction_kl", "true", "actor.kl_loss.use_bias_correction_kl", True),
     ]),
     "actor loss clip_cov": (("worker.actor.loss_type=clip_cov",), "cpu", [
-        ("worker.actor.clip_cov_ratio", "0.01", "actor.policy_loss.clip_cov_ratio", 0.01),
-        ("worker.actor.clip_cov_lb", "0.5", "actor.policy_loss.clip_cov_lb", 0.5),
-        ("worker.actor.clip_cov_ub", "4.0", "actor.policy_loss.clip_cov_ub", 4.0),
+        ("worker.actor.clip_cov_ratio", "0.01", "actor.policy_loss.settings.clip_cov_ratio", 0.01),
+        ("worker.actor.clip_cov_lb", "0.5", "actor.policy_loss.settings.clip_cov_lb", 0.5),
+        ("worker.actor.clip_cov_ub", "4.0", "actor.policy_loss.settings.clip_cov_ub", 4.0),
     ]),
     "actor loss kl_cov": (("worker.actor.loss_type=kl_cov",), "cpu", [
-        ("worker.actor.kl_cov_ratio", "0.002", "actor.policy_loss.kl_cov_ratio", 0.002),
-        ("worker.actor.ppo_kl_coef", "0.5", "actor.policy_loss.ppo_kl_coef", 0.5),
+        ("worker.actor.kl_cov_ratio", "0.002", "actor.policy_loss.settings.kl_cov_ratio", 0.002),
+        ("worker.actor.ppo_kl_coef", "0.5", "actor.policy_loss.settings.ppo_kl_coef", 0.5),
     ]),
     "actor and ref forward": ((), "cpu", [
         ("worker.actor.padding_free", "false", "actor.forward.padding_free", False),
@@ -214,12 +215,12 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
     "kl loss": ((), "cpu", [("algorithm.use_kl_loss", "true", "derived.kl_in_loss", True)]),
     # the driver's adaptive entropy controller (none in the default plan: the actor keeps entropy_coeff)
     "adaptive entropy": ((), "cpu", [
-        ("worker.actor.use_adaptive_entropy", "true", "driver.entropy_control.coeff_max", 0.5),
-        ("worker.actor.entropy_coeff", "0.01", "driver.entropy_control.init_coeff", 0.01),
-        ("worker.actor.entropy_target", "0.3", "driver.entropy_control.target", 0.3),
-        ("worker.actor.entropy_coeff_delta", "0.002", "driver.entropy_control.delta", 0.002),
-        ("worker.actor.entropy_coeff_min", "0.001", "driver.entropy_control.coeff_min", 0.001),
-        ("worker.actor.entropy_coeff_max", "0.5", "driver.entropy_control.coeff_max", 0.5),
+        ("worker.actor.use_adaptive_entropy", "true", "driver.entropy_control.entropy_coeff_max", 0.5),
+        ("worker.actor.entropy_coeff", "0.01", "driver.entropy_control.entropy_coeff", 0.01),
+        ("worker.actor.entropy_target", "0.3", "driver.entropy_control.entropy_target", 0.3),
+        ("worker.actor.entropy_coeff_delta", "0.002", "driver.entropy_control.entropy_coeff_delta", 0.002),
+        ("worker.actor.entropy_coeff_min", "0.001", "driver.entropy_control.entropy_coeff_min", 0.001),
+        ("worker.actor.entropy_coeff_max", "0.5", "driver.entropy_control.entropy_coeff_max", 0.5),
     ]),
 }
 
@@ -302,7 +303,7 @@ def test_disable_kl_wins_over_the_kl_loss(tiny_model_path):
     assert any("algorithm.disable_kl=true turns the KL penalty off" in line for line in plan.notices)
     # the KL as a loss term: the actor's loss is bound to it, the reference model exists
     plan = plan_for(tiny_model_path, "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.05")
-    assert plan.actor.kl_loss == KLLossSpec(0.05, "kl") and plan.ref is not None
+    assert plan.actor.kl_loss == KLSettings(use_kl_loss=True, kl_coef=0.05) and plan.ref is not None
     assert not any("disable_kl" in line for line in plan.notices)
     # the KL in the reward (the default): no loss term, the reference model exists
     plan = plan_for(tiny_model_path)

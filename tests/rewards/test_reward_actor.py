@@ -12,10 +12,10 @@ from PIL import Image
 from rewards_testing import SHIPPED, inp, write_file
 
 from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
+from easyvlm.plan.build import reward_settings_of
 from easyvlm.data.batch import Batch
 from easyvlm.rewards import RewardError
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
-from easyvlm.rewards.manager import RewardSettings
 
 ray = pytest.importorskip("ray")
 
@@ -89,7 +89,7 @@ def test_reward_actor_scores_asynchronously_and_raises_in_the_driver(ray_session
         RewardFunctionConfig("./reward_functions/math.py:compute_score", {}, 1.0),
         RewardFunctionConfig(f"{inverse}:compute_score", {}, 2.0),
     ])
-    actor = create_reward_actor(RewardSettings.from_config(config), num_cpus=1)
+    actor = create_reward_actor(reward_settings_of(config), num_cpus=1)
     try:
         right, wrong = "<think>a</think>\\boxed{\\frac{1}{2}}", "<think>a</think>\\boxed{3}"
         assert (len(right), len(wrong)) == (35, 25)

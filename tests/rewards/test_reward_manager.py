@@ -11,6 +11,7 @@ from PIL import Image
 from rewards_testing import SHIPPED, inp, manager, write_file
 
 from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
+from easyvlm.plan.build import reward_settings_of
 from easyvlm.rewards import RewardError, RewardFunctionSpec, RewardSettings
 
 pytestmark = pytest.mark.slow
@@ -355,18 +356,18 @@ def test_easyr1_reward_files_work_unchanged(tmp_path):
 def test_settings_from_the_real_config(tmp_path, monkeypatch, toy):
     write_file(tmp_path, "r.py", "def main(items):\n    return [0.0 for _ in items]\n")
     monkeypatch.chdir(tmp_path)
-    settings = RewardSettings.from_config(RewardConfig(
+    settings = reward_settings_of(RewardConfig(
         reward_function="r.py", reward_function_kwargs={}, timeout=7.0, on_error="zero", num_workers=3))
     assert settings == RewardSettings(
         (RewardFunctionSpec(f"{tmp_path / 'r.py'}:main", {}, 1.0, None),), timeout=7.0, on_error="zero", num_workers=3)
-    settings = RewardSettings.from_config(RewardConfig(reward_type="sequential", reward_functions=[
+    settings = reward_settings_of(RewardConfig(reward_type="sequential", reward_functions=[
         RewardFunctionConfig("r.py:main", {"k": 1}, 0.3), RewardFunctionConfig(f"{toy}:batch", {}, 2.0)]))
     assert settings.functions == (
         RewardFunctionSpec(f"{tmp_path / 'r.py'}:main", {"k": 1}, 0.3, "sequential"),
         RewardFunctionSpec(f"{toy}:batch", {}, 2.0, "sequential"),
     )
     with pytest.raises(RewardError, match="worker.reward.reward_function is unset"):
-        RewardSettings.from_config(RewardConfig())
+        reward_settings_of(RewardConfig())
 
 
 @pytest.mark.parametrize("kwargs", [{"on_error": "ignore"}, {"timeout": 0}, {"num_workers": 0}])

@@ -13,7 +13,7 @@ from PIL import Image
 from easyvlm.data.batch import Batch
 from easyvlm.models.position_ids import get_position_ids
 from easyvlm.rollout.base import RolloutEngine
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 
 # The rollout tests' run: the tiny model's plan (tests/plan_testing.py) with these rollout settings.
 # n = 2 (grpo needs at least 2 samples per prompt), seed 3, prompts of at most 128 tokens.

@@ -10,7 +10,7 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import is_greedy, sampling_with_overrides
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.rollout.fake import FakeRolloutEngine
 
 PAD, EOS = 0, 9

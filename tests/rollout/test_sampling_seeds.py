@@ -10,7 +10,7 @@ import torch
 
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import SEED_KEY, mix_seeds, prompt_seeds, request_seed
-from easyvlm.specs import Sampling
+from easyvlm.rollout.specs import Sampling
 from easyvlm.rollout.fake import FakeRolloutEngine
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from easyvlm.algorithms.kl import FixedKLController
+from easyvlm.algorithms.settings import KLSettings
 from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
 from easyvlm.trainer.stages import STAGES, StepState
@@ -19,7 +20,7 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
 
 
 def advantage_spec(**changes):
-    spec = dict(estimator="grpo", gamma=1.0, lam=1.0, norm_by_std=True, kl_penalty="kl", critic_warmup=0,
+    spec = dict(estimator="grpo", gamma=1.0, lam=1.0, norm_by_std=True, kl=KLSettings(kl_penalty="kl"), critic_warmup=0,
                 multi_objective_aggregation="sum_then_normalize", reward_weights=())
     return SimpleNamespace(**{**spec, **changes})
 

@@ -136,7 +136,7 @@ def _compare(reference, ref_opt, sharded, opt) -> dict:
 
 def _spec(model_path: str, **kw):
     from easyvlm.models.loading import load_hf_config
-    from easyvlm.specs import ModelSpec
+    from easyvlm.models.specs import ModelSpec
 
     fields = dict(
         model_dir=model_path, hf_config=load_hf_config(model_path), trust_remote_code=False,
@@ -202,7 +202,7 @@ def rank0_init_cases(rank: int, model_paths: dict[str, str]) -> dict:
     directory that does not exist, so any file read fails), both sharded: every local parameter
     shard, every buffer and every requires_grad flag must be equal, and so must the outputs."""
     from easyvlm.config.worker_schema import FSDPConfig
-    from easyvlm.specs import LoraSpec
+    from easyvlm.models.specs import LoraSpec
 
     lora = LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "gate_proj"), exclude_modules=None)
     result = {}

@@ -12,6 +12,7 @@ import torch
 from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_spec, assert_logprobs_match_reference, make_rl_batch, reference_logprobs
 
 from easyvlm.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, get_policy_loss
+from easyvlm.algorithms.settings import PolicyLossSettings
 from easyvlm.workers.actor import ActorWorker
 
 TEMPERATURE = 0.7
@@ -36,7 +37,8 @@ def make_actor(model_path: str, loss: str | None = None, **overrides) -> ActorWo
     registered policy loss to bind instead of the configured one (a test-only registration)."""
     spec = actor_spec(model_path, temperature=TEMPERATURE, **overrides)
     if loss is not None:
-        spec = dataclasses.replace(spec, policy_loss=dataclasses.replace(spec.policy_loss, name=loss))
+        settings = dataclasses.replace(spec.policy_loss.settings, loss_type=loss)
+        spec = dataclasses.replace(spec, policy_loss=dataclasses.replace(spec.policy_loss, settings=settings))
     return ActorWorker(spec, rank=0, world_size=1)
 
 
@@ -126,7 +128,7 @@ def _reference_update(model_dir, batch, mini_batch_size, lr, max_grad_norm, loss
         logprobs = _differentiable_logprobs(model, mini)
         loss, _ = loss_fn(PolicyLossInputs(
             logprobs=logprobs, old_logprobs=mini["old_logprobs"], advantages=mini["advantages"],
-            response_mask=mini["response_mask"], loss_avg_mode=loss_avg_mode,
+            response_mask=mini["response_mask"], settings=PolicyLossSettings(loss_avg_mode=loss_avg_mode),
         ))
         loss.backward()
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item())

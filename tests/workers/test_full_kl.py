@@ -71,7 +71,7 @@ def workers(process_group, tiny_model_path):
         tiny_model_path, "algorithm.disable_kl=false", "algorithm.use_kl_loss=true", "algorithm.kl_penalty=full",
         "algorithm.kl_coef=0.5", f"worker.rollout.temperature={TEMPERATURE}",
     )
-    assert plan.actor.kl_loss is not None and plan.actor.kl_loss.penalty == "full"
+    assert plan.actor.kl_loss is not None and plan.actor.kl_loss.kl_penalty == "full"
     actor = ActorWorker(plan.actor, rank=0, world_size=1)
     ref = RefWorker(plan.ref, rank=0, world_size=1)
     with torch.no_grad():

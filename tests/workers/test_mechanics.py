@@ -94,7 +94,7 @@ def test_with_dummy_image_adds_a_row_without_response_positions():
 def test_micro_batches_follow_the_micro_batching_spec():
     """micro_batch_size_per_device_*, dynamic_batching and max_token_len_per_device (a role's
     MicroBatching) decide how a rank's samples are cut into forward passes."""
-    from easyvlm.specs import MicroBatching
+    from easyvlm.workers.specs import MicroBatching
     from easyvlm.workers.forward import micro_batches
     from easyvlm.workers.training import token_budget
 

@@ -130,7 +130,7 @@ def test_the_correction_acts_through_the_update(process_group, tiny_model_path, 
     every PPO ratio is 1, so the pg loss is -sum(A w) / N over the kept tokens, by hand."""
     import math
 
-    from easyvlm.algorithms.rollout_correction import parse_rollout_correction, rollout_correction
+    from easyvlm.algorithms.rollout_correction import RolloutCorrectionConfig, parse_rollout_correction, rollout_correction
 
     actor = make_actor(tiny_model_path)
     exact = actor.compute_logprobs(batch)["old_logprobs"]
@@ -141,12 +141,12 @@ def test_the_correction_acts_through_the_update(process_group, tiny_model_path, 
     data["old_logprobs"] = exact
     data["rollout_logprobs"] = torch.where(mask, exact - shift, 0.0)
     if setting == "tis":  # token TIS at 2: the first tokens weigh 2, the others 1
-        corr = parse_rollout_correction("token", "2.0", False, None, None)
+        corr = parse_rollout_correction(RolloutCorrectionConfig(rollout_is="token"))
         expected_w = torch.where(mask, 1.0, 0.0)
         expected_w[:, 0] = 2.0
         kept = mask
     else:  # token_k1 with band [1/2, 2] drops the first tokens
-        corr = parse_rollout_correction(None, "2.0", False, "token_k1", "2.0")
+        corr = parse_rollout_correction(RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="2.0"))
         expected_w = torch.where(mask, 1.0, 0.0)
         kept = mask.clone()
         kept[:, 0] = False

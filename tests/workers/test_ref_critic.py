@@ -8,7 +8,7 @@ import torch
 from plan_testing import plan_for
 from workers_testing import PROMPTS, RESPONSE_LENGTHS, actor_spec, critic_spec, make_rl_batch, reference_logprobs
 
-from easyvlm.algorithms.value_loss import value_loss
+from easyvlm.algorithms.value_losses import value_loss
 from easyvlm.workers.critic import CriticWorker
 from easyvlm.workers.fsdp import gather_full_state_dict
 from easyvlm.workers.ref import RefWorker

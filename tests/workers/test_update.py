@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from easyvlm.config.worker_schema import OffloadConfig, OptimConfig
-from easyvlm.specs import MicroBatching, UpdateSpec
+from easyvlm.workers.specs import MicroBatching, UpdateSpec
 from easyvlm.workers import update as update_module
 from easyvlm.workers.update import TrainedModel
 

@@ -43,7 +43,7 @@ def token_rewards(trainer: Any) -> Stage:
 def kl_in_reward(trainer: Any) -> Stage:
     """The KL to the reference subtracted from the token rewards, with the KL controller's coefficient
     (``critic/kl``, ``critic/kl_coef``); the controller then adapts to the step's KL."""
-    penalty = trainer.spec.advantage.kl_penalty
+    penalty = trainer.spec.advantage.kl.kl_penalty
 
     def run(state: StepState) -> None:
         with timed("adv", state.metrics):

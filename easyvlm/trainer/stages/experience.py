@@ -45,7 +45,7 @@ def old_logprobs(trainer: Any) -> Stage:
 def ref_logprobs(trainer: Any) -> Stage:
     """The reference model's log-probs (``ref_kl``: the full KL, with ``algorithm.kl_penalty=full``
     in the reward; as a loss term the update computes it itself)."""
-    full_kl = trainer.spec.advantage.kl_penalty == "full"
+    full_kl = trainer.spec.advantage.kl.kl_penalty == "full"
 
     def run(state: StepState) -> None:
         with timed("ref", state.metrics):

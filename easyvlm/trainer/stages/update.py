@@ -30,8 +30,7 @@ def rollout_correction(trainer: Any) -> Stage:
     response mask without the rejected tokens (which then leave the loss's normaliser too, as in
     verl). The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
     rc = trainer.spec.advantage.rollout_correction  # checked by the config check: parsing cannot fail
-    config = parse_rollout_correction(rc.rollout_is, rc.rollout_is_threshold, rc.rollout_is_batch_normalize,
-                                      rc.rollout_rs, rc.rollout_rs_threshold)
+    config = parse_rollout_correction(rc)
     warmup = trainer.spec.advantage.critic_warmup
 
     def run(state: StepState) -> None:

@@ -1,15 +1,17 @@
-"""The parsed form of ``algorithm.rollout_correction`` (verl's rollout correction), without torch.
+"""The rollout correction's settings (``algorithm.rollout_correction``, verl's) and their parsed
+form, without torch.
 
-The config check parses the section with these functions (so a bad threshold is refused before
-anything starts) and the loop builds its `RolloutCorrection` with them; the weights and masks are
-made by ``easyvlm.algorithms.rollout_correction``, which documents the meaning of every value.
+The config schema composes `RolloutCorrectionConfig` as the section; the config check parses it
+with these functions (so a bad threshold is refused before anything starts) and the plan and the
+loop parse it into a `RolloutCorrection`; the weights and masks are made by
+``easyvlm.algorithms.rollout_correction``, which documents the meaning of every value.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = (
@@ -18,6 +20,44 @@ RS_OPTIONS = (
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
     "seq_max_k2", "seq_max_k3",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's rollout correction (docs/algorithms.md, "Rollout correction"): importance weights and
+    rejection of tokens where the sampler's log-probs (pi_rollout) differ from the trainer's (pi_old).
+    Same key names and meanings as verl's `algorithm.rollout_correction`; easyvlm always keeps the
+    sampler's log-probs (verl's `calculate_log_probs`). The mismatch metrics
+    (actor/rollout_mismatch/*) are logged every step whatever is set here."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    """Importance weights pi_old / pi_rollout multiplying each token's policy loss: `token` (one
+    per token), `sequence` (the product over the sequence), null = none. Needs the trainer's
+    log-probs, so the step computes them (one forward pass) even when the update is on-policy."""
+    rollout_is_threshold: str = "2.0"
+    """A number u: truncated IS, weights above u become u. A string `l_u` (e.g. `0.5_2.0`): IcePop,
+    weights outside [l, u] become 0."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their mean over the step's batch (after truncation)."""
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: comma-separated criteria that drop tokens (token_k1/k2/k3) or whole
+    sequences (seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3) from the loss, k1 = -log r,
+    k2 = (log r)^2 / 2, k3 = r - 1 - log r with r = pi_old / pi_rollout. null = none."""
+    rollout_rs_threshold: Optional[str] = None
+    """Bounds of `rollout_rs`, comma-separated, one per criterion or one for all: k2/k3 an upper
+    bound; k1 `l_u` (a single u means `1/u_u`), kept when pi_rollout / pi_old lies in [l, u] (verl's)."""
+    bypass_mode: bool = False
+    """True: the sampler's log-probs are PPO's old log-probs (pi_old = pi_rollout; verl's bypass
+    mode): no trainer forward pass for them, and the PPO ratio pi_theta / pi_rollout is the
+    correction. Not combinable with rollout_is / rollout_rs here."""
+    loss_type: str = "ppo_clip"
+    """verl's bypass-mode loss. Only `ppo_clip` (the configured worker.actor.loss_type with the
+    rollout as pi_old); verl's `reinforce` is refused."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the policy loss changes (weights or rejection); else only metrics are logged."""
+        return self.rollout_is is not None or self.rollout_rs is not None
 
 
 @dataclass(frozen=True)
@@ -102,21 +142,15 @@ def parse_rejection(rollout_rs: Optional[str], threshold: float | int | str | No
     return tuple(rules)
 
 
-def parse_rollout_correction(
-    rollout_is: Optional[str],
-    rollout_is_threshold: float | str,
-    rollout_is_batch_normalize: bool,
-    rollout_rs: Optional[str],
-    rollout_rs_threshold: float | str | None,
-) -> RolloutCorrection:
-    """The config section's values -> a `RolloutCorrection` (ValueError for invalid ones)."""
-    if rollout_is is not None and rollout_is not in IS_LEVELS:
-        raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)} or null, got {rollout_is!r}")
-    upper, lower = parse_is_threshold(rollout_is_threshold)
+def parse_rollout_correction(section: RolloutCorrectionConfig) -> RolloutCorrection:
+    """The config section -> a `RolloutCorrection` (ValueError for invalid values)."""
+    if section.rollout_is is not None and section.rollout_is not in IS_LEVELS:
+        raise ValueError(f"rollout_is must be one of {list(IS_LEVELS)} or null, got {section.rollout_is!r}")
+    upper, lower = parse_is_threshold(section.rollout_is_threshold)
     return RolloutCorrection(
-        rollout_is=rollout_is,
+        rollout_is=section.rollout_is,
         is_upper=upper,
         is_lower=lower,
-        batch_normalize=rollout_is_batch_normalize,
-        rejection=parse_rejection(rollout_rs, rollout_rs_threshold),
+        batch_normalize=section.rollout_is_batch_normalize,
+        rejection=parse_rejection(section.rollout_rs, section.rollout_rs_threshold),
     )

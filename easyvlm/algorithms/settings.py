@@ -1,0 +1,181 @@
+"""The algorithms' settings, each declared once, here, with its type, default and meaning: the
+policy loss and its hyperparameters, the entropy bonus and its adaptive controller, the KL penalty,
+DAPO's online filtering. The config schema composes them into its sections as flat keys in their
+places (``worker.actor.clip_ratio_low``, ``algorithm.kl_coef``, ...: ``easyvlm.config.compose``),
+and the plan hands each component its settings object whole. Torch-free: the config check imports
+this module (the rollout correction's section is in ``rollout_correction_settings``).
+
+A new hyperparameter of a loss is a field here (the config key, its default and its documentation
+follow) and its use in the loss (``policy_losses.py``); the config check judges its values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+LossAvgMode = Literal["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+KLPenalty = Literal["kl", "abs", "mse", "low_var_kl", "full"]
+KLType = Literal["fixed", "adaptive"]
+
+LOSS_AVG_MODES: tuple[str, ...] = ("token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+"""Canonical aggregation mode names."""
+
+LOSS_AVG_MODE_ALIASES: dict[str, str] = {"token-mean": "token", "seq-mean-token-mean": "seq"}
+"""verl-style long names accepted for the two EasyR1 modes."""
+
+
+def canonical_loss_avg_mode(mode: str) -> str:
+    """Map an accepted mode name (incl. aliases) to its canonical name; raise for anything else."""
+    mode = LOSS_AVG_MODE_ALIASES.get(mode, mode)
+    if mode not in LOSS_AVG_MODES:
+        valid = list(LOSS_AVG_MODES) + list(LOSS_AVG_MODE_ALIASES)
+        raise ValueError(f"unknown loss_avg_mode {mode!r} (worker.actor.loss_avg_mode); valid: {valid}")
+    return mode
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The policy loss (``worker.actor.loss_type``) and its hyperparameters: the keys
+    ``worker.actor.clip_ratio_low`` ... ``off_policy_mask_threshold``. Every loss gets them whole in
+    ``PolicyLossInputs.settings``; the token gate (``token_filters.py``) reads the last two."""
+
+    clip_ratio_low: float = 0.2
+    """PPO clip: the ratio is clipped below at 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.3
+    """PPO clip: the ratio is clipped above at 1 + clip_ratio_high (DAPO's clip-higher)."""
+    clip_ratio_dual: float = 3.0
+    """Dual-clip PPO's constant c (arXiv:1912.09729): for negative advantages the loss is at most
+    c times the advantage's magnitude. Must be > 1."""
+    loss_avg_mode: LossAvgMode = "token"
+    """How token losses become one number: token (mean over all tokens of the mini-batch), seq
+    (mean over tokens of each sequence, then over sequences), seq-mean-token-sum (sum over tokens,
+    mean over sequences), seq-mean-token-sum-norm (sum over tokens divided by the longest possible
+    response, Dr. GRPO), token-sum (sum over every token of the mini-batch, no division; verl's)."""
+    loss_type: str = "default"
+    """Policy loss: default (PPO clip with clip-higher and dual-clip), gspo, gspo_token, cispo, sapo,
+    geo_mean (GMPO), clip_cov, kl_cov (Clip-Cov / KL-Cov), gpg (plain policy gradient), or your own
+    as `path/to/file.py:func`."""
+    tau_positive: float = 1.0
+    """SAPO (arXiv:2511.20347): temperature of the soft gate for tokens with a non-negative
+    advantage (loss_type=sapo only)."""
+    tau_negative: float = 1.05
+    """SAPO: temperature of the soft gate for tokens with a negative advantage (loss_type=sapo only)."""
+    clip_cov_ratio: float = 0.0002
+    """easyvlm extra (verl's key and default). Clip-Cov (loss_type=clip_cov, arXiv:2505.22617):
+    fraction of the valid tokens whose gradient is detached, drawn at random among those whose
+    covariance of advantage and log-prob lies in (clip_cov_lb, clip_cov_ub)."""
+    clip_cov_lb: float = 1.0
+    """easyvlm extra (verl's key and default). Clip-Cov: lower end of the covariance band."""
+    clip_cov_ub: float = 5.0
+    """easyvlm extra (verl's key and default). Clip-Cov: upper end of the covariance band."""
+    kl_cov_ratio: float = 0.0002
+    """easyvlm extra (verl's key and default). KL-Cov (loss_type=kl_cov): fraction of the valid
+    tokens, those with the largest covariance, that get the penalty ppo_kl_coef * |log ratio| (the
+    paper uses 0.002 for 7B models and 0.0002 for 32B)."""
+    ppo_kl_coef: float = 1.0
+    """easyvlm extra (verl's key and default). KL-Cov: weight of the |log ratio| penalty on the
+    selected tokens."""
+    top_entropy_quantile: float = 1.0
+    """easyvlm extra (TRL's key). "Beyond the 80/20 rule" (arXiv:2506.01939): only the tokens whose
+    entropy is in the top fraction rho of the micro-batch carry the policy gradient (0.2 in the
+    paper); 1.0 = all tokens. The others still count in the loss's normaliser."""
+    off_policy_mask_threshold: Optional[float] = None
+    """easyvlm extra (TRL's key). DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556
+    eqn. 9): a sequence with a negative advantage whose mean log(pi_sampler / pi_theta) over its
+    tokens exceeds this (e.g. 0.5) carries no policy gradient. None = off."""
+
+    def __post_init__(self) -> None:
+        # the config check judged these values; a loss built in Python is checked here, once
+        if self.clip_ratio_low < 0 or self.clip_ratio_high < 0:
+            raise ValueError(
+                f"clip_ratio_low / clip_ratio_high must be >= 0, got {self.clip_ratio_low} / {self.clip_ratio_high}"
+            )
+        if self.clip_ratio_dual <= 1.0:
+            raise ValueError(f"clip_ratio_dual must be > 1 (dual-clip PPO), got {self.clip_ratio_dual}")
+        for key in ("tau_positive", "tau_negative"):
+            tau = getattr(self, key)
+            # the gate 4/tau * sigmoid(tau (r - 1)) divides by tau: 0, negative or inf/NaN makes no sense
+            if not (math.isfinite(tau) and tau > 0):
+                raise ValueError(
+                    f"worker.actor.{key} must be a finite number > 0 (a SAPO gate temperature), got {tau}; "
+                    "the paper's values are tau_positive=1.0, tau_negative=1.05"
+                )
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"worker.actor.{key} must be in (0, 1], got {getattr(self, key)}")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise ValueError(f"worker.actor.clip_cov_lb ({self.clip_cov_lb}) must be below clip_cov_ub ({self.clip_cov_ub})")
+        if not self.ppo_kl_coef >= 0:
+            raise ValueError(f"worker.actor.ppo_kl_coef must be >= 0, got {self.ppo_kl_coef}")
+        canonical_loss_avg_mode(self.loss_avg_mode)
+
+
+@dataclass(frozen=True)
+class EntropySettings:
+    """The entropy bonus of the actor loss and its adaptive controller
+    (``entropy.AdaptiveEntropyController``): the keys ``worker.actor.entropy_coeff`` ...
+    ``entropy_coeff_max``."""
+
+    entropy_coeff: float = 0.0
+    """easyvlm extra. Weight of the entropy bonus in the actor loss (loss -= entropy_coeff *
+    entropy); 0 = none. With use_adaptive_entropy: the controller's initial coefficient."""
+    use_adaptive_entropy: bool = False
+    """easyvlm extra (TRL's key). Adaptive entropy control (Skywork-OR1, arXiv:2505.22312; TRL's use_adaptive_entropy): after
+    each step the coefficient moves by entropy_coeff_delta towards more bonus while the step's
+    token-mean entropy is <= entropy_target, less otherwise, within [entropy_coeff_min,
+    entropy_coeff_max]; the bonus acts only in a step that follows one with entropy <=
+    entropy_target (so not in the first step, as in TRL). Logs actor/entropy_coeff (the
+    coefficient applied) and actor/entropy (the measurement). See docs/algorithms.md."""
+    entropy_target: float = 0.2
+    """easyvlm extra (TRL's key). Adaptive entropy control: the target token-mean entropy in nats (TRL's key and default)."""
+    entropy_coeff_delta: float = 0.005
+    """easyvlm extra. Adaptive entropy control: the coefficient's step per trainer step (TRL spells it
+    entropy_coef_delta; TRL's default)."""
+    entropy_coeff_min: float = 0.0
+    """easyvlm extra. Adaptive entropy control: the coefficient's lower bound (TRL: entropy_coef_min; its default)."""
+    entropy_coeff_max: float = 1.0
+    """easyvlm extra. Adaptive entropy control: the coefficient's upper bound (TRL: entropy_coef_max; its default)."""
+
+@dataclass(frozen=True)
+class KLSettings:
+    """The KL penalty to the reference model: where it goes (the reward or the actor loss), its
+    estimator (``kl.py``) and its coefficient's controller: the keys ``algorithm.disable_kl`` ...
+    ``use_bias_correction_kl``. Whether it acts, and where, the plan derives (``Derived``)."""
+
+    disable_kl: bool = False
+    """Turn the KL penalty off entirely; no reference model is built."""
+    use_kl_loss: bool = False
+    """False: the KL penalty is subtracted from the token rewards. True: it is a term of the actor
+    loss (GRPO's way)."""
+    kl_penalty: KLPenalty = "kl"
+    """KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3), full."""
+    kl_coef: float = 1e-3
+    """KL coefficient (the initial one with the adaptive controller)."""
+    kl_type: KLType = "fixed"
+    """KL controller for the KL-in-reward coefficient: fixed or adaptive."""
+    kl_horizon: float = 10000.0
+    """Horizon of the adaptive KL controller."""
+    kl_target: float = 0.1
+    """Target KL of the adaptive KL controller."""
+    use_bias_correction_kl: bool = False
+    """easyvlm extra (TRL's key). With use_kl_loss, multiply each token's KL estimate by pi_theta / pi_old, the
+    importance-weighted (unbiased) estimator of the DeepSeek-V3.2 report (arXiv:2512.02556)."""
+
+@dataclass(frozen=True)
+class OnlineFilterSettings:
+    """DAPO's dynamic sampling (arXiv:2503.14476): which prompt groups a training step keeps, by the
+    mean of a reward key over each group's samples: the keys ``algorithm.online_filtering`` ...
+    ``filter_high``. The driver's sampler applies them (``easyvlm.trainer.sampling``)."""
+
+    online_filtering: bool = False
+    """DAPO's dynamic sampling: drop prompts whose mean `filter_key` over their samples is not in
+    (`filter_low`, `filter_high`), and generate more until `data.rollout_batch_size` prompts are
+    kept."""
+    filter_key: str = "overall"
+    """Reward key that online filtering looks at (`overall` or another key the reward returns)."""
+    filter_low: float = 0.01
+    """Online filtering keeps prompts whose mean `filter_key` is above this ..."""
+    filter_high: float = 0.99
+    """... and below this."""

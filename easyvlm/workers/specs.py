@@ -1,0 +1,134 @@
+"""The run plan's slices for the workers: what the actor, the reference model, the critic and the
+reward model are each given (`ActorSpec`, `RefSpec`, `CriticSpec`, `RewardModelSpec`) and their
+parts (forward passes, micro-batching, the update, the losses: the components' own settings). Plain frozen dataclasses: no
+behaviour, no torch. ``easyvlm.plan.roles`` makes them; every value is final (defaults applied,
+paths resolved, derived numbers computed, choices checked by the config check): a worker asserts
+what it relies on and never judges a user's value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from easyvlm.algorithms.settings import EntropySettings, KLSettings, PolicyLossSettings
+from easyvlm.models.specs import ModelBundle, ModelSpec
+from easyvlm.workers.settings import FSDPConfig, OffloadConfig, OptimConfig
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a rank cuts its samples into forward passes."""
+
+    micro_batch_size: int
+    """Samples per pass (without dynamic batching), and the unit of the default token budget."""
+    dynamic: bool
+    """Cut by a token budget instead of a sample count."""
+    max_token_len: Optional[int]
+    """Dynamic batching's budget of attended tokens (the plan sets EasyR1's default:
+    micro_batch_size x (max_prompt_length + max_response_length)); None = micro_batch_size x the
+    batch's padded length."""
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """How a role runs its model over a batch (actor, reference and critic alike)."""
+
+    padding_free: bool
+    share_prompts: bool
+    temperature: float
+    """Logits are divided by the rollout temperature before log-softmax (policy roles)."""
+    blocked_token_ids: tuple[int, ...]
+    use_torch_compile: bool
+    """torch.compile the log-prob and entropy kernels."""
+    ulysses_size: int
+    """Ranks of a sequence-parallel group (1 = off)."""
+    experience: MicroBatching
+    """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
+    router_replay: str = "disabled"
+    """MoE policies: disabled, R2 (the actor records in its old-log-prob pass, replays in the update)
+    or R3 (every pass replays the sampler's experts); ``easyvlm.workers.routing``."""
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """One training step of a trained role: epochs x mini-batches x micro-batches, then clip and step."""
+
+    ppo_epochs: int
+    mini_batch_per_rank: int
+    """Samples of one optimizer step on one data-parallel rank (global_batch_size x n / data-parallel size)."""
+    optimizer_steps_per_step: int
+    """Optimizer steps per training step (mini-batches per step x ppo_epochs)."""
+    micro: MicroBatching
+    max_grad_norm: float
+    loss_avg_mode: str
+    norm_length: int
+    """The constant of loss_avg_mode seq-mean-token-sum-norm: data.max_response_length."""
+    optim: OptimConfig
+    total_steps: int = 0
+    """Training steps of the run (the learning-rate schedule's length); set once the data is loaded."""
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """The policy loss: its settings as configured, with a plug-in's ``loss_type`` resolved to an
+    absolute ``/abs/path/file.py:func`` (loaded in the worker), and that plug-in's text."""
+
+    settings: PolicyLossSettings
+    source: Optional[str] = field(default=None, repr=False)
+    """A plug-in's file text, read in the driver: the worker runs it without a copy of the file."""
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+    update: UpdateSpec
+    policy_loss: PolicyLossSpec
+    kl_loss: Optional[KLSettings]
+    """The KL to the reference as a term of the loss (``algorithm.use_kl_loss`` on, KL not
+    disabled); None = not in the loss. ``kl_penalty=full`` needs the reference's whole distribution,
+    which the hybrid worker computes beside the actor."""
+    entropy: EntropySettings
+    """The entropy bonus (``entropy_coeff``; with the adaptive controller the driver passes each
+    update its coefficient)."""
+    seed: int
+    """Seeds torch before the model is built, so new weights (LoRA) are equal on every rank."""
+    files: ModelBundle
+    """Tokenizer, processor and generation config written with an HF export."""
+    router_aux_loss_coef: float = 0.0
+    """MoE policies: the weight of the router's load-balancing loss (resolved: the model's own when
+    not configured; 0 = off and for dense models)."""
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+
+
+@dataclass(frozen=True)
+class CriticSpec:
+    model: ModelSpec
+    fsdp: FSDPConfig
+    offload: OffloadConfig
+    forward: ForwardSpec
+    update: UpdateSpec
+    cliprange_value: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class RewardModelSpec:
+    """The reward model of ``worker.reward_model``: frozen, scoring each sequence at its last token."""
+
+    model: ModelSpec
+    """``hf_config`` is a scalar sequence-classification config (checked in the driver)."""
+    fsdp: FSDPConfig
+    forward: ForwardSpec
+    normalize: str
+    """``none`` or ``running`` (applied in the driver, which keeps the running statistics)."""
