@@ -21,7 +21,8 @@ _EXPORTS: dict[str, str] = {
         "advantages",
     ),
     **dict.fromkeys(("aggregate_loss", "loss_normalizer"), "aggregation"),
-    **dict.fromkeys(("LOSS_AVG_MODES", "LOSS_AVG_MODE_ALIASES", "canonical_loss_avg_mode"), "settings"),
+    **dict.fromkeys(("LOSS_AVG_MODES", "LOSS_AVG_MODE_ALIASES", "PolicyLossSettings", "canonical_loss_avg_mode"),
+                    "settings"),
     **dict.fromkeys(("entropy_bonus_loss", "entropy_from_logits"), "entropy"),
     **dict.fromkeys(
         ("AdaptiveKLController", "FixedKLController", "apply_kl_penalty", "build_kl_controller", "kl_loss",

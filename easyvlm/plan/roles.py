@@ -10,7 +10,6 @@ from typing import Any, Optional
 from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
 from easyvlm.models.specs import ModelBundle, TokenIds
@@ -19,8 +18,9 @@ from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling
 from easyvlm.workers.specs import (
     ActorSpec, CriticSpec, ForwardSpec, MicroBatching, PolicyLossSpec, RefSpec, RewardModelSpec, UpdateSpec,
 )
-from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
 from easyvlm.plan.models import load_bundle, model_spec
+from easyvlm.utils.dtypes import canonical_dtype
+from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
 
 
 def _micro(cfg: PPOConfig, role: ActorConfig | CriticConfig, size: int) -> MicroBatching:
