@@ -318,8 +318,9 @@ def gpg_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     B: the samples of the step's batch; M: the "invalid" ones, those whose group has one reward
     for every sample (their advantage is 0, so without alpha they dilute the gradient). alpha
     scales the rest back up as if the batch had only valid samples; with every sample invalid all
-    advantages are 0. verl counts M differently: alpha = B / (samples whose reward is non-zero),
-    which agrees with the paper for 0/1 rewards only when every group with a 1 is also mixed.
+    advantages are 0. verl counts differently: alpha = B / (samples whose reward is non-zero); for
+    0/1 rewards the two agree exactly when the correct samples are as many as the samples in mixed
+    groups (groups (1,0,0,0) + (0,0,0): the paper's 1.75, verl's 7; (1,0,0,0) + (1,1,1): both 1.75).
     A group of one sample gets 0 and counts as invalid. Use with ``worker.actor.loss_type=gpg``.
     """
     rewards = seq_rewards_of(inputs)  # (B,)

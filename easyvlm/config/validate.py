@@ -62,8 +62,9 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
               f"(algorithm.adv_estimator={cfg.algorithm.adv_estimator}): the actor would just not learn for that many "
               "steps; set 0, or use gae")
     if not cfg.worker.hybrid_engine:
-        c.add("worker.hybrid_engine", "is false, but easyvlm always colocates the actor, the reference model and the "
-              "rollout engine on each device (EasyR1's hybrid engine); remove the key (true is the default)")
+        c.add("worker.hybrid_engine", "is false, but the actor and the reference model always share each device "
+              "(EasyR1's hybrid engine); to give the rollout engines devices of their own set "
+              "worker.rollout.placement=separate, and remove this key (true is the default)")
     if check_files:
         _check_files(c)
         _check_packages(c)

@@ -349,9 +349,8 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class WorkerConfig:
     hybrid_engine: bool = True
-    """Actor, reference model and rollout engine share each device (EasyR1's only mode). easyvlm
-    always colocates them; false (separate rollout devices) is refused until asynchronous rollout
-    lands."""
+    """Actor, reference model and rollout engine share each device (EasyR1's only mode). false is
+    refused: the rollout engines get devices of their own with worker.rollout.placement=separate."""
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy being trained."""
     critic: CriticConfig = field(default_factory=CriticConfig)

@@ -228,7 +228,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load weights named as the transformers model's in-memory state dict (names from the file
-        ``save_pretrained`` writes do not all load, STACK.md); an unknown name raises ValueError.
+        ``save_pretrained`` writes do not all load: docs/rollout.md, "Weight sync"); an unknown name raises ValueError.
 
         ``reload_weights`` runs vLLM's checkpoint loader, which wants the real checkpoints' layout:
         Qwen3-VL-MoE's fused expert tensors go in transposed (views, no copy;

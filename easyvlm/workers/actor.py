@@ -237,7 +237,7 @@ class ActorWorker:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """Full weights with in-memory transformers names (LoRA merged), on the CPU, on every rank.
 
-        Collective. Feed to vLLM's ``reload_weights`` (see STACK.md)."""
+        Collective. Feed to vLLM's ``reload_weights``, which takes these names (docs/rollout.md, "Weight sync")."""
         self.trained.ensure_loaded()
         return gather_full_state_dict(self.model)
 

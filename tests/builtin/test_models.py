@@ -189,7 +189,7 @@ def test_build_is_deterministic(tmp_path, tiny_model_path):
 
 
 def test_parameter_counts(tiny_model_path):
-    # Recorded by the build; the tiny model must stay tiny (STACK.md: ~0.6 M) and the bench model
+    # Recorded by the build; the tiny model must stay tiny (~0.6 M: docs/builtin_assets.md) and the bench model
     # within 30-60 M.
     info = json.loads((Path(tiny_model_path) / "easyvlm_builtin.json").read_text())
     assert info["name"] == "tiny-qwen2.5-vl"

@@ -307,7 +307,7 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("algorithm.rollout_correction.bypass_mode", CORRECTION_LOOP),
     refused("algorithm.rollout_correction.loss_type"),  # only ppo_clip; verl's reinforce is not implemented
     # ---------------------------------------------------------------------------------- worker
-    refused("worker.hybrid_engine"),  # easyvlm always colocates actor, reference and rollout
+    refused("worker.hybrid_engine"),  # actor and reference always share devices; engines: placement=separate
     # actor
     fixed("worker.actor.strategy"),
     effects("worker.actor.clip_ratio_low", PLAN, f"{LOSSES}::test_ppo_clip_hand_values_and_gradient"),

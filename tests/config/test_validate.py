@@ -126,7 +126,7 @@ RULES = [
     (["algorithm.use_bias_correction_kl=true", "algorithm.use_kl_loss=true", "algorithm.kl_penalty=full"],
      "algorithm.use_bias_correction_kl", "kl_penalty=full is exact"),
     (["worker.actor.tau_negative=.inf"], "worker.actor.tau_negative", "finite"),
-    (["worker.hybrid_engine=false"], "worker.hybrid_engine", "always colocates"),
+    (["worker.hybrid_engine=false"], "worker.hybrid_engine", "worker.rollout.placement=separate"),
     (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.target_modules=q_proj,k-proj"],
      "worker.actor.model.lora.target_modules", "not module names: ['k-proj']"),
     (["worker.actor.model.lora.rank=8", "worker.actor.model.lora.target_modules=(q"],

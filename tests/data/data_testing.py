@@ -50,7 +50,7 @@ def assert_vllm_matches_the_forward(batch, hf_model, model_path: str, processor,
     """vLLM, given each sample's ``raw_prompt_ids`` with its images and videos (the rollout's
     request, easyvlm.rollout.vllm.vllm_request), expands them into exactly the batch's ``input_ids``
     and gives the prompt tokens the log-probs of transformers' forward over the padded batch with
-    its ``position_ids`` (float32 on both sides, different CPU kernels: 1e-4, STACK.md)."""
+    its ``position_ids`` (float32 on both sides but different CPU kernels: equal within 1e-4, not bit for bit)."""
     import torch
     from vllm import LLM, SamplingParams
 
