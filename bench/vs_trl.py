@@ -381,7 +381,7 @@ def mode_overhead(args) -> None:
         raise SystemExit(
             f"overhead: Ray's timeline holds {int(table['exec_unmatched_calls'])} worker calls for "
             f"{len(rows)} steps x {len(methods)}; it drops events of the last calls when the run ends. Rerun "
-            "(fewer --steps lose fewer; 4 is the default)."
+            "(fewer --steps lose fewer; the default is 3)."
         )
     sync = json.loads((Path(out_dir) / "sync.json").read_text())
     step = table["step"]
