@@ -90,10 +90,11 @@ def notices(cfg: PPOConfig) -> list[str]:
         lines.append(f"worker.rollout.name=hf: {', '.join(f'worker.rollout.{k}' for k in unused)} configure vLLM and "
                      "do nothing with transformers' generate")
     rc = a.rollout_correction
-    if r.one_step_off and not (rc.active or rc.bypass_mode):
-        lines.append("worker.rollout.one_step_off=true trains on samples from weights one step old with no rollout "
-                     "correction; set algorithm.rollout_correction.rollout_is=token (or bypass_mode=true) to correct "
-                     "for the staleness")
+    if (r.one_step_off or r.max_staleness > 0) and not (rc.active or rc.bypass_mode):
+        key = "worker.rollout.one_step_off=true" if r.one_step_off else f"worker.rollout.max_staleness={r.max_staleness}"
+        lines.append(f"{key} trains on samples from weights up to {max(r.max_staleness, 1)} step(s) old with no "
+                     "rollout correction; set algorithm.rollout_correction.rollout_is=token (or bypass_mode=true) to "
+                     "correct for the staleness")
     return lines
 
 

@@ -335,15 +335,26 @@ class RolloutConfig:
     """easyvlm extra. `colocated`: the engine shares each actor rank's process and device (the
     hybrid engine; weights copied in memory). `separate`: the engines run in their own worker group
     on `num_devices` more devices (GPUs, or processes on the CPU); the actor's weights are sent to
-    them after every update. docs/rollout.md, "Separate placement and one-step-off rollout"."""
+    them after every update. docs/rollout.md, "Separate placement and asynchronous rollout"."""
     num_devices: int = 1
     """easyvlm extra. Devices of the separate rollout group (one engine each, data-parallel);
     only with `placement: separate`."""
     one_step_off: bool = False
-    """easyvlm extra. Asynchronous rollout (verl's one-step-off): the next step's batch is generated
-    on the separate rollout group while this step trains, with weights one step old; the staleness is
-    logged per step (rollout/staleness_*). Pair it with `algorithm.rollout_correction`. Needs
-    `placement: separate`."""
+    """easyvlm extra. verl's one-step-off, kept as shorthand for `max_staleness: 1` (the same code
+    path): the next step's batch is generated on the separate rollout group while this step trains.
+    Needs `placement: separate`."""
+    max_staleness: int = 0
+    """easyvlm extra. Asynchronous rollout with bounded staleness (verl's `staleness_threshold`,
+    AReaL's `max_head_offpolicyness`, prime-rl's `max_off_policy_steps`): the rollout service keeps
+    generating while the trainer updates and never hands out a sample generated from weights more
+    than this many updates old. 0 = synchronous. The staleness is logged per step
+    (rollout/staleness_mean, rollout/staleness_max); pair it with `algorithm.rollout_correction`.
+    Needs `placement: separate`. docs/rollout.md, "Separate placement and asynchronous rollout"."""
+    partial_rollout: bool = False
+    """easyvlm extra. With `max_staleness` >= 1: new weights reach the engines between two decoding
+    steps; unfinished samples keep their tokens and go on with the new weights (KV cache
+    recomputed), every token remembering the version that sampled it, and groups are handed to the
+    trainer as they complete (rollout/partial_fraction). vLLM engines, single-turn rollouts only."""
 
 
 @dataclass(frozen=True)

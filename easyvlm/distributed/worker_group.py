@@ -88,6 +88,11 @@ class _RankHost:
         return node_info()
 
     @staticmethod
+    def pid() -> int:
+        """This rank's process id (bench/async_rollout.py pins it to a core; fault tests kill it)."""
+        return os.getpid()
+
+    @staticmethod
     def peak_rss() -> int:
         """This rank's peak resident bytes so far (``perf/peak_rss_gb/<group>``)."""
         from easyvlm.utils.memory import peak_rss_bytes
@@ -138,6 +143,7 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
             ).remote(rank, self.world_size, addr, port, cpus, resources.use_gpu)
 
+        self._start_rank, self._factory, self._restarts = start, factory, 0
         for attempt in range(RENDEZVOUS_TRIES):
             # rank 0's node hosts the rendezvous: start it first, ask it for its address and a free port.
             # Unnamed: ray.kill returns before the GCS frees an actor's name, so a probe named as rank 0
@@ -161,6 +167,18 @@ class WorkerGroup:
                     continue
                 self.shutdown()  # free the devices, so that the process can start another run
                 raise
+
+    def restart(self, rank: int) -> None:
+        """Replace rank ``rank`` (its process died, e.g. killed) with a new one built by the same
+        factory on the same device. Only for ranks that share no process group with the others
+        (the separate rollout group's engines): a collective group cannot take a new member."""
+        ray.kill(self.workers[rank])
+        self._restarts += 1
+        addr, port = ray.get(self.workers[0].node_address.remote()) if rank else ("127.0.0.1", 0)
+        worker = self._start_rank(rank, addr, port, f"easyvlm-{self.name}-{rank}-restart{self._restarts}")
+        ray.get(worker.build.remote(self._factory))
+        self.workers[rank] = worker
+        self.nodes[rank] = ray.get(worker.node.remote())
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return ray.get(self.call_all_async(method, *args, **kwargs))

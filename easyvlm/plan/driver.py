@@ -17,7 +17,7 @@ from easyvlm.plan.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpe
 
 def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
     t, a, r = cfg.trainer, cfg.algorithm, cfg.worker.rollout
-    # seed, per_request_seed and one_step_off: the rollout's keys
+    # seed, per_request_seed and partial_rollout: the rollout's keys
     rounds = settings_of(
         RoundsSpec, r,
         prompt_groups=cfg.data.rollout_batch_size,
@@ -26,6 +26,7 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         separate=r.placement == "separate",
         rollout_devices=r.num_devices,
         baseline=a.adv_estimator == "remax",
+        max_staleness=max(r.max_staleness, int(r.one_step_off)),  # one_step_off: shorthand for 1
     )
     # gamma, lam, kl, rollout_correction, multi_objective_aggregation: the algorithm's; kl_in_reward,
     # kl_in_loss, use_reference: derived; critic_warmup: the trainer's

@@ -30,8 +30,11 @@ class RoundsSpec:
     """The engines run in their own worker group (``worker.rollout.placement=separate``)."""
     rollout_devices: int
     """Devices of that group (``worker.rollout.num_devices``)."""
-    one_step_off: bool
-    """The next step's generation runs while this step trains."""
+    max_staleness: int
+    """``worker.rollout.max_staleness`` (``one_step_off`` = 1): how many updates older than the
+    weights it trains on a sample's weights may be; 0 = synchronous."""
+    partial_rollout: bool
+    """New weights reach the engines mid-generation; groups stream to the trainer as they complete."""
     baseline: bool
     """ReMax: one greedy response per prompt gives the baseline reward."""
 

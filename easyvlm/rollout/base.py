@@ -13,6 +13,12 @@ them from ``worker.rollout.seed``, the step and the prompt's place in it: :func:
 Sample j of a prompt then draws its noise from its own seed, ``request_seed(prompt_seed, j)``, so
 what it samples does not depend on what the engine generated before: a resumed run samples what an
 uninterrupted one did. Without the key, engines sample from their own seeded RNG stream.
+
+The generation stream (``stream_*``, partial rollouts; the vLLM engine only): prompt groups go
+in, the engine advances a bounded number of steps at a time, each group comes back when all its n
+samples are done, and new weights can be loaded between two steps; the unfinished samples keep
+their tokens and go on with the new weights, every token tagged with the version that sampled it
+(docs/rollout.md, "Partial rollouts: the generation stream").
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from easyvlm.rollout.specs import Sampling
 
 # Optional object key of a prompt Batch: one int seed per prompt (seeded sampling).
 SEED_KEY = "sampling_seed"
+# What the engines without a generation stream say (RolloutEngine.stream_*)
+STREAM_ENGINE_ONLY = "partial rollouts need worker.rollout.name=vllm"
 
 
 def mix_seeds(*values: int) -> int:
@@ -126,19 +134,30 @@ class RolloutEngine(ABC):
         int per prompt) sampling is seeded per request (see the module docstring).
         """
         sampling = checked_sampling(sampling or self.sampling, self.response_length)
-        batch.require(*PROMPT_KEYS)
-        prompts = batch.repeat(sampling.n, interleave=True)
-        seeds = None
-        if SEED_KEY in prompts and not is_greedy(sampling):  # row i*n+j is sample j of prompt i
-            seeds = [request_seed(s, row % sampling.n) for row, s in enumerate(prompts[SEED_KEY])]
+        prompts, seeds = self._repeated_prompts(batch, sampling)
         responses, logprobs = self._sample(prompts, sampling, seeds)
-        out = build_rollout_batch(
-            prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
-        )
+        out = self._rollout_batch(prompts, responses, logprobs)
         routed = self.take_routing(out["input_ids"].shape[1])
         if routed is not None:  # MoE, router replay R3: the experts each sampled token went to
             out[ROUTED_EXPERTS_KEY] = routed
         return out
+
+    def _repeated_prompts(self, batch: Batch, sampling: Sampling) -> tuple[Batch, list[int] | None]:
+        """``batch`` repeated n times (row i*n+j is sample j of prompt i) and the rows' seeds (None
+        without ``SEED_KEY`` or when greedy): what generate() samples from, and the generation
+        stream too, so that a group streamed samples what generate() would."""
+        batch.require(*PROMPT_KEYS)
+        prompts = batch.repeat(sampling.n, interleave=True)
+        seeds = None
+        if SEED_KEY in prompts and not is_greedy(sampling):
+            seeds = [request_seed(s, row % sampling.n) for row, s in enumerate(prompts[SEED_KEY])]
+        return prompts, seeds
+
+    def _rollout_batch(self, prompts: Batch, responses: list[list[int]], logprobs: list[list[float]]) -> Batch:
+        """The rollout Batch of sampled rows (``postprocess.build_rollout_batch``)."""
+        return build_rollout_batch(
+            prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
+        )
 
     def take_routing(self, width: int) -> Tensor | None:
         """(rows, width = P + T, layers, k) int16: the experts each token of the last ``_sample`` call's
@@ -173,3 +192,47 @@ class RolloutEngine(ABC):
         tags: None = everything; ``["weights"]`` first, then ``["kv_cache"]`` keeps the peak lower
         (weights can be synced before the KV cache is allocated).
         """
+
+    # ------------------------------------------------------------------ the generation stream
+    # Partial rollouts: prompt groups are submitted, the engine is advanced a few decoding steps at a
+    # time and returns each group as soon as all its n samples are done, and new weights can be loaded
+    # between two steps without throwing away what the unfinished samples have sampled (each token is
+    # tagged with the weights' version that sampled it). Only the vLLM engine drives its scheduler
+    # step by step; the others refuse these calls.
+
+    def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
+        """Add the prompts of ``batch`` (a prompt Batch as generate() takes; n samples each, seeded
+        per request as generate() seeds them when it carries ``SEED_KEY``) to the engine's running
+        work as prompt groups. ``tag``: the caller's id of this submission; a group is identified by
+        (tag, index of its prompt in ``batch``)."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
+        """Run at most ``max_steps`` engine steps (fewer when nothing is left) and return the groups
+        completed since the last call: ((tag, prompt index), rollout Batch of its n rows, as
+        generate() builds them, plus ``rollout_token_versions`` (n, T) int64, the weights' version
+        that sampled each response token, -1 after the end of the response, and ``rollout_version``
+        (n,) int64, the oldest version among a sample's tokens)."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_set_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Load new weights between two engine steps; unfinished samples keep their tokens and go on
+        with the new weights. Tokens sampled from now on are tagged ``version``."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_start_version(self, version: int) -> None:
+        """Tag the tokens sampled from now on with ``version`` (the weights already loaded, e.g. by
+        update_weights before the first submission), without loading anything."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_version(self) -> int:
+        """The version the tokens sampled now are tagged with."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_pending(self) -> int:
+        """Groups submitted and not yet returned by stream_advance (nor dropped by stream_cancel)."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)
+
+    def stream_cancel(self) -> list[tuple[int, int]]:
+        """Abort every unfinished group's requests, forget them, and return their group ids."""
+        raise NotImplementedError(STREAM_ENGINE_ONLY)

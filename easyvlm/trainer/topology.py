@@ -9,7 +9,6 @@ from typing import Any
 
 import ray
 
-from easyvlm.agents.setup import DriverRollout
 from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
 from easyvlm.pipeline.model_scorers import start_reward_model
 from easyvlm.plan.build import RunPlan
@@ -25,10 +24,9 @@ class Workers:
     """The reward actor, the hybrid group (actor, reference model and, colocated, the engines), the
     separate rollout group, the critic, the reward model group and the judge's engines of one run.
 
-    ``rollout`` is how the driver generates (one engine call, or the multi-turn loop with tools);
-    ``encoder``: the training set's prompt encoder, which the multi-turn loop renders turns with."""
+    How the driver generates with them is the rollout service's (``easyvlm.trainer.rollout_service``)."""
 
-    def __init__(self, plan: RunPlan, resources: Resources | None, total_steps: int, encoder: Any):
+    def __init__(self, plan: RunPlan, resources: Resources | None, total_steps: int):
         self.reward_actor = create_reward_actor(plan.reward, plan.driver.reward_num_cpus)
         self.hybrid: WorkerGroup | None = None
         self.critic: WorkerGroup | None = None
@@ -41,12 +39,12 @@ class Workers:
         self._peaks: dict[tuple[str, str], list] = {}  # each process's last answers (a group's by rank)
         self._use_gpu = resources is not None and resources.use_gpu  # CPU ranks hold no GPU memory: not asked
         try:
-            self._start(plan, resources, total_steps, encoder)
+            self._start(plan, resources, total_steps)
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, plan: RunPlan, resources: Resources | None, total_steps: int, encoder: Any) -> None:
+    def _start(self, plan: RunPlan, resources: Resources | None, total_steps: int) -> None:
         # the critic's and the reward model's rank r share rank r's device (and CPUs) with the hybrid worker
         share = 1.0 / (1 + (plan.critic is not None) + (plan.reward_model is not None))
         actor = with_total_steps(plan.actor, total_steps)
@@ -59,9 +57,6 @@ class Workers:
             rollout_resources = dataclasses.replace(resources, world_size=rounds.rollout_devices) \
                 if resources is not None else None
             self.rollout_group = WorkerGroup("rollout", rollout_resources, partial(RolloutHost, plan.rollout))
-        engine_group = self.rollout_group or self.hybrid
-        self.rollout = DriverRollout(plan, encoder,
-                                     lambda batch, sampling: engine_group.dispatch("generate", batch, sampling=sampling))
         if plan.critic is not None:
             critic = partial(CriticHost, with_total_steps(plan.critic, total_steps))
             self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)
@@ -81,8 +76,8 @@ class Workers:
         group (its largest rank's) and of the reward actor (``easyvlm.utils.memory``); on GPUs also
         each group's CUDA allocator peaks, ``perf/max_memory_allocated_gb/<group>`` and
         ``perf/max_memory_reserved_gb/<group>`` (absent on the CPU). A group busy with the next
-        step's generation in the background (``generating_ahead``, one_step_off: the rollout group
-        and the reward actor) is not waited for: it answers a later step, and its last answer is
+        steps' generation in the background (``generating_ahead``, asynchronous rollout: the rollout
+        group and the reward actor) is not waited for: it answers a later step, and its last answer is
         logged meanwhile."""
         groups = {"hybrid": self.hybrid, "critic": self.critic, "reward_model": self.reward_model,
                   "rollout": self.rollout_group}

@@ -8,18 +8,18 @@ from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.pipeline.generate_and_score import generate_and_score
 from easyvlm.run.tracking import Generation, Tracker
 from easyvlm.rollout.specs import Sampling
-from easyvlm.trainer.sampling import StepSampler
+from easyvlm.trainer.rollout_service import RolloutService
 from easyvlm.viewer.writer import RolloutWriter
 
 
-def validate(step: int, loader: PromptDataLoader | None, sampler: StepSampler, sampling: Sampling,
+def validate(step: int, loader: PromptDataLoader | None, service: RolloutService, sampling: Sampling,
              generations_to_log: int, viewer: RolloutWriter | None, tracker: Tracker | None) -> dict[str, float]:
     """The ``val/`` metrics of the policy at ``step`` (nothing without validation data)."""
     if loader is None:
         return {}
-    spec = sampler.spec
-    sampler.sync()  # the current weights (queued after a one_step_off generation in flight)
-    scored = generate_and_score(loader, sampler.workers.rollout.generate, sampling, sampler.scorer, step, "val",
+    spec = service.spec
+    # the current weights, whatever the asynchronous producer is doing (service.generate)
+    scored = generate_and_score(loader, service.generate, sampling, service.scorer, step, "val",
                                 spec.seed if spec.per_request_seed else None, capture=viewer is not None)
     if viewer is not None:
         viewer.submit(scored.captures)

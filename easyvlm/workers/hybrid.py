@@ -9,7 +9,7 @@ asks, and the engine sleeps while they work; on the CPU all of these are no-ops.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,19 +35,19 @@ class HybridWorker:
         if self.ref is not None:
             self.actor.reference_distribution = self.ref.log_distribution  # the full KL's, in-process
         self.rollout = build_rollout(rollout) if rollout is not None else None
-        self._policy_version = 0  # bumped by every actor update
-        self._synced_version = -1  # the version the rollout engine holds
+        self._engine_version = -1  # the policy version whose weights the engine holds (the driver's numbering)
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
-        """Sample responses with the actor's current weights (synced first if they changed).
+    def generate(self, batch: Batch, sampling: Sampling | None = None, version: int = 0) -> Batch:
+        """Sample responses with the actor's current weights: ``version``, the policy's version (the
+        driver's rollout service counts them); the engine is sent the weights when it holds another.
         sampling: None = the plan's training sampling (e.g. the plan's validation sampling)."""
         assert self.rollout is not None, "generate: the rollout engines are a separate group (worker.rollout.placement)"
-        if self._synced_version != self._policy_version:
+        if self._engine_version != version:
             self.rollout.wake_up(["weights"])
             # a tensor at a time, on the device the engine takes them on (its own GPU: no host round trip)
             self.rollout.update_weights(self.actor.iter_weights_for_sync(self.rollout.weight_sync_device))
-            self._synced_version = self._policy_version
+            self._engine_version = version
         self.actor.offload()  # idle until the next log-prob pass (GPU memory for the KV cache)
         if self.ref is not None:
             self.ref.offload()
@@ -77,9 +77,7 @@ class HybridWorker:
 
     def update_actor(self, batch: Batch, entropy_coeff: float | None = None) -> dict[str, float]:
         """``entropy_coeff``: the driver's adaptive entropy coefficient for this update (None: the spec's)."""
-        metrics = self.actor.update_policy(batch, entropy_coeff)
-        self._policy_version += 1
-        return metrics
+        return self.actor.update_policy(batch, entropy_coeff)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str, export_hf: bool) -> None:
@@ -89,7 +87,7 @@ class HybridWorker:
 
     def load_checkpoint(self, path: str) -> None:
         self.actor.load_checkpoint(f"{path}/actor")
-        self._policy_version += 1  # force a weight sync before the next generation
+        self._engine_version = -1  # the engine holds other weights than the loaded ones
 
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
@@ -102,10 +100,14 @@ class HybridWorker:
 class RolloutHost:
     """A rollout engine on its own device (``worker.rollout.placement=separate``): no actor, no
     process group. It samples with the last weights the driver sent (``load_weights``) and tags
-    every sample with their version, so the driver can log how stale each step's samples are."""
+    every sample with their version (``rollout_version``), so the driver knows how stale each
+    sample is. The ``stream_*`` calls are the engine's interruptible generation (partial rollouts,
+    ``easyvlm.rollout.base``): groups submitted, advanced a few decoding steps at a time, new
+    weights loaded between two steps."""
 
-    def __init__(self, spec: RolloutSpec):
-        self.rollout = build_rollout(spec)
+    def __init__(self, spec: RolloutSpec, engine: Optional[Callable[[], Any]] = None):
+        """engine: makes the engine instead of ``spec`` (tests: a fake one in a real process)."""
+        self.rollout = engine() if engine is not None else build_rollout(spec)
         self.version = -1  # the engine's weights are the checkpoint's until the first load_weights
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -119,6 +121,22 @@ class RolloutHost:
         out = self.rollout.generate(batch, sampling)
         out["rollout_version"] = torch.full((len(out),), self.version, dtype=torch.long)
         return out
+
+    # ------------------------------------------------------------------ the generation stream
+    def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
+        self.rollout.wake_up(["kv_cache"])
+        self.rollout.stream_submit(batch, tag, sampling)
+
+    def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
+        return self.rollout.stream_advance(max_steps)
+
+    def stream_set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """New weights between two decoding steps: the unfinished samples go on with them."""
+        self.rollout.stream_set_weights(state.items(), version)
+        self.version = version
+
+    def stream_cancel(self) -> list[tuple[int, int]]:
+        return self.rollout.stream_cancel()
 
     @staticmethod
     def threads() -> int:

@@ -50,6 +50,7 @@ VLLM = "tests/rollout/test_vllm.py"
 
 CORRECTION = "tests/algorithms/test_rollout_correction.py"
 SEPARATE = "tests/trainer/test_e2e_separate_rollout.py::TestSeparateRollout"
+SERVICE = "tests/trainer/test_rollout_service.py"
 CORRECTION_LOOP = f"{LOOP}::test_rollout_correction_settings_the_loop_applies"
 PLAN = f"{BUILD}::test_keys_reach_their_spec_fields"  # the key's value reaches its field of the run plan
 GPU_ENGINE = f"{VLLM}::test_gpu_engine_settings"  # EngineSpec -> vllm.LLM keyword arguments on GPUs
@@ -428,7 +429,12 @@ ENTRIES: list[tuple[str, Entry]] = [
             f"{SEPARATE}::test_synchronous_separate_engines_sample_the_current_policy"),
     effects("worker.rollout.num_devices", f"{SEPARATE}::test_synchronous_separate_engines_sample_the_current_policy"),
     effects("worker.rollout.one_step_off", f"{LOOP}::test_one_step_off_generates_the_next_batch_with_the_weights_of_the_last_step",
-            f"{SEPARATE}::test_one_step_off_trains_on_samples_one_update_old"),
+            f"{SEPARATE}::test_one_step_off_trains_on_samples_one_update_old", f"{SERVICE}::test_one_step_off_is_max_staleness_one"),
+    effects("worker.rollout.max_staleness", f"{SERVICE}::test_whole_batches_use_the_weights_of_exactly_k_steps_before",
+            f"{SERVICE}::test_streamed_samples_never_exceed_the_staleness_bound",
+            f"{SEPARATE}::test_partial_rollouts_train_within_the_staleness_bound"),
+    effects("worker.rollout.partial_rollout", f"{SERVICE}::test_streamed_tokens_keep_the_version_and_log_prob_that_sampled_them",
+            f"{SEPARATE}::test_partial_rollouts_train_within_the_staleness_bound"),
     effects("worker.rollout.max_turns", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.max_tokens_per_turn", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.tool_timeout", f"{AGENTS}::test_tool_timeout_comes_from_the_config"),

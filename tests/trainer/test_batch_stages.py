@@ -69,16 +69,15 @@ def test_multi_objective_replaces_the_sequence_rewards_with_gdpo_scores():
     assert torch.equal(state.scores, torch.tensor([1.0, 0.0]))  # the logged score stays the overall reward
 
 
-def test_the_actor_waits_for_the_critic_warmup_and_its_update_counts_a_version():
+def test_the_actor_waits_for_the_critic_warmup():
     calls = []
     hybrid = SimpleNamespace(dispatch_collect=lambda *args, **kwargs: calls.append(args) or [{"actor/pg_loss": 0.5}])
     trainer = SimpleNamespace(spec=SimpleNamespace(advantage=advantage_spec(critic_warmup=1)), entropy_ctrl=None,
-                              workers=SimpleNamespace(hybrid=hybrid), actor_sp=1,
-                              sampler=SimpleNamespace(policy_version=0))
+                              workers=SimpleNamespace(hybrid=hybrid), actor_sp=1)
     stage, state = STAGES["update_actor"](trainer), step_state()
     stage(state)  # step 1 <= critic_warmup: no update
-    assert calls == [] and trainer.sampler.policy_version == 0
+    assert calls == []
     state.step = 2
     stage(state)
-    assert [c[0] for c in calls] == ["update_actor"] and trainer.sampler.policy_version == 1
+    assert [c[0] for c in calls] == ["update_actor"]
     assert state.metrics["actor/pg_loss"] == 0.5 and "timing_s/update_actor" in state.metrics

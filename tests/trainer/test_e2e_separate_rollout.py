@@ -40,10 +40,61 @@ class TestSeparateRollout:
               f"trainer.save_checkpoint_path={tmp_path}"])
         rows = read_jsonl(tmp_path / "experiment_log.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
-        # step 1 generates on the spot; steps 2 and 3 were generated during the step before
+        # step 1 samples version 0's weights; steps 2 and 3 were generated during the step before
         assert [r["rollout/staleness_mean"] for r in rows] == [0.0, 1.0, 1.0]
-        assert "timing_s/gen_async" not in rows[0] and all("timing_s/gen_async" in r for r in rows[1:])
+        assert all("timing_s/gen_async" in r for r in rows)  # the producer's own time
         for row in rows:
             assert_finite(row, ["actor/pg_loss", "rollout_corr/rollout_is_mean", "actor/rollout_mismatch/k3"])
         # one update behind: the sampler's log-probs now differ from the trainer's (fp32 noise is < 1e-4)
         assert all(r["actor/rollout_mismatch/k3"] > 1e-4 for r in rows[1:]), [r["actor/rollout_mismatch/k3"] for r in rows]
+
+    def test_partial_rollouts_train_within_the_staleness_bound(self, e2e_base_args, tmp_path):
+        from easyvlm.trainer.main import main
+
+        # max_staleness 2 with partial rollouts: groups stream from vLLM's step loop, new weights land
+        # between two decoding steps; every token keeps the version that sampled it
+        main([*e2e_base_args, *SEPARATE, "worker.rollout.name=vllm", "worker.rollout.max_staleness=2",
+              "worker.rollout.partial_rollout=true", "trainer.max_steps=4", "worker.actor.optim.lr=1e-3",
+              "algorithm.rollout_correction.rollout_is=token", f"trainer.save_checkpoint_path={tmp_path}"])
+        rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        for row in rows:
+            assert_finite(row, ["actor/pg_loss", "rollout_corr/rollout_is_mean", "timing_s/wait_rollout"])
+            assert 0 <= row["rollout/staleness_max"] <= 2 and 0 <= row["rollout/partial_fraction"] <= 1
+        assert rows[0]["rollout/staleness_max"] == 0.0  # step 1 trains at version 0: nothing can be older
+
+    @pytest.mark.parametrize("partial", [False, True])
+    def test_a_killed_engine_is_restarted_and_every_prompt_is_trained_once(self, e2e_base_args, tmp_path, monkeypatch,
+                                                                          partial):
+        import os
+        import signal
+        import threading
+        import time
+
+        import ray
+
+        from easyvlm.trainer.main import main
+
+        monkeypatch.setenv("EASYVLM_LOG_DATA_ORDER", "1")
+        log = tmp_path / "experiment_log.jsonl"
+        killed = []
+
+        def kill_the_engine_after_step_1():
+            # step 1 is logged right after its weights were published: the engines are generating
+            # step 2's (k = 1: step 3's) samples when the SIGKILL lands
+            while not (log.exists() and log.read_text().strip()):
+                time.sleep(0.02)
+            pid = ray.get(ray.get_actor("easyvlm-rollout-0").pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+        threading.Thread(target=kill_the_engine_after_step_1, daemon=True).start()
+        main([*e2e_base_args, *SEPARATE, "worker.rollout.name=vllm", "worker.rollout.max_staleness=1",
+              f"worker.rollout.partial_rollout={str(partial).lower()}", "trainer.max_steps=4",
+              "algorithm.rollout_correction.rollout_is=token", f"trainer.save_checkpoint_path={tmp_path}"])
+        rows = read_jsonl(log)
+        assert killed and [r["step"] for r in rows] == [1, 2, 3, 4]
+        assert rows[-1]["rollout/engine_restarts"] == 1.0 and max(r["rollout/staleness_max"] for r in rows) <= 1
+        # every step trained 4 prompt groups, and no prompt twice
+        uids = [uid for row in read_jsonl(tmp_path / "data_order.jsonl") for uid in row["uids"]]
+        assert len(uids) == 16 and len(set(uids)) == 16, uids

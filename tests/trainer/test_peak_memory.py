@@ -37,7 +37,7 @@ def peak_metrics(monkeypatch, tiny_model_path, use_gpu: bool) -> tuple[dict[str,
     monkeypatch.setattr(topology, "ray", SimpleNamespace(get=lambda refs: refs, kill=lambda actor: None,
                                                          wait=lambda refs, num_returns, timeout: (list(refs), [])))
     plan = plan_for(tiny_model_path, "algorithm.adv_estimator=gae", f"worker.critic.model.model_path={tiny_model_path}")
-    workers = topology.Workers(plan, Resources(world_size=2, cpus_per_worker=1, use_gpu=use_gpu), 3, encoder=None)
+    workers = topology.Workers(plan, Resources(world_size=2, cpus_per_worker=1, use_gpu=use_gpu), 3)
     return workers.peak_memory(generating_ahead=False), asked
 
 

@@ -4,8 +4,12 @@ Each is one worker pass (the reward actor scores meanwhile)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import torch
+
+from easyvlm.data.batch import Batch
 from easyvlm.pipeline.model_scorers import model_inputs
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.stages.state import Stage, StepState
@@ -16,9 +20,17 @@ def remax_baseline(trainer: Any) -> Stage:
 
     def run(state: StepState) -> None:
         with timed("gen_baseline", state.metrics):
-            state.batch["baseline_rewards"] = trainer.sampler.greedy_baseline(state.prompts, state.batch)
+            state.batch["baseline_rewards"] = greedy_baseline(trainer, state.prompts, state.batch)
 
     return run
+
+
+def greedy_baseline(trainer: Any, prompts: Batch, batch: Batch) -> torch.Tensor:
+    """The reward of the current policy's greedy response to each sample's prompt."""
+    greedy = trainer.service.generate(prompts, dataclasses.replace(trainer.service.sampling, n=1, temperature=0.0))
+    result = trainer.scorer.score(greedy)
+    by_uid = dict(zip(greedy["uid"], result.overall))
+    return torch.tensor([by_uid[uid] for uid in batch["uid"]], dtype=torch.float32)
 
 
 def sampler_logprobs(trainer: Any) -> Stage:

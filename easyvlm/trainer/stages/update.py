@@ -50,7 +50,8 @@ def rollout_correction(trainer: Any) -> Stage:
 
 
 def update_actor(trainer: Any) -> Stage:
-    """The actor's update after ``trainer.critic_warmup`` steps; the policy's version counts it."""
+    """The actor's update after ``trainer.critic_warmup`` steps (the rollout service counts the step
+    as a new policy version after the stages)."""
     warmup = trainer.spec.advantage.critic_warmup
 
     def run(state: StepState) -> None:
@@ -65,6 +66,5 @@ def update_actor(trainer: Any) -> Stage:
         if ctrl is not None:  # the coefficient this update applied; the controller steps on its entropy
             state.metrics["actor/entropy_coeff"] = entropy["entropy_coeff"]
             ctrl.update(state.metrics["actor/entropy"])
-        trainer.sampler.policy_version += 1
 
     return run

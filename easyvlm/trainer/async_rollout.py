@@ -1,0 +1,383 @@
+"""The rollout service's asynchronous producers (``worker.rollout.max_staleness: k >= 1``): a thread
+that keeps the separate engines generating while the trainer updates, and never hands out a
+sample whose oldest token was sampled more than k updates before the weights it trains on.
+
+- `BatchesAhead` (default): whole batches in step order, each a step's generation rounds (online
+  filtering, multi-turn rollouts and every engine included). Step d's batch (trained at version
+  d - 1) starts once the trainer has taken batch d - 1 (one batch ahead) and uses the weights of
+  version exactly d - 1 - k (or the newest, for the first batch after a checkpoint's pause), so a
+  seeded run is reproducible whatever the timing: k = 1 is verl's one-step-off, sample for sample.
+- `GroupStream` (``partial_rollout: true``, vLLM): prompt groups are admitted on demand, never
+  more than (version + 1 + k) x B in all (B = prompt groups per step), stream through the engines a
+  few decoding steps at a time, and are handed to the trainer as they complete. New weights reach
+  the engines between two decoding steps: unfinished samples keep their tokens, each token
+  remembers its version (``rollout_token_versions``). A step's batch takes the old groups it
+  must (so that every group can still be trained within the bound), then the first completed,
+  B in all (`GroupStream._choose`).
+
+Both stop drawing prompts at the next checkpoint's step until it is saved, so that the saved data
+loader state holds exactly the prompts trained on; both restart an engine process that died and
+generate its unfinished work again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from easyvlm.data.batch import Batch
+from easyvlm.rollout.base import TRAIN_CALL
+from easyvlm.trainer import core
+from easyvlm.trainer.metrics import timed
+from easyvlm.trainer.sampling import StepSamples, filter_error, kept_groups
+from easyvlm.trainer.scoring import concat_results
+
+# Decoding steps per stream_advance call: new weights and completed groups are seen this often.
+STREAM_STEPS = 4
+
+
+class Producer:
+    """The thread, its error, the trainer's wait and the engines' idle time."""
+
+    def __init__(self, service: Any):
+        self.service, self.cond = service, service.cond
+        self.k = service.spec.max_staleness
+        self.limit = 0  # the last step whose prompts may be drawn (the next checkpoint's)
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.idle = 0.0  # seconds the engines waited for the trainer since the last take
+        self.thread: threading.Thread | None = None
+
+    def start(self, first_step: int) -> None:
+        self.limit = self.service.draw_limit(first_step)
+        self.floor = self.service.version  # no batch uses older weights than the run starts with
+        self.thread = threading.Thread(target=self._guarded, args=(first_step,), name="easyvlm-rollout", daemon=True)
+        self.thread.start()
+
+    def _guarded(self, first_step: int) -> None:
+        try:
+            self.run(first_step)
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+            with self.cond:
+                self.error = error
+                self.cond.notify_all()
+
+    def run(self, first_step: int) -> None:
+        raise NotImplementedError
+
+    def wait_until(self, ready: Any) -> bool:
+        """Under the lock: wait (the engines idle) until ``ready()`` or stop; False on stop."""
+        start = time.perf_counter()
+        while not self.stopping and not ready():
+            self.cond.wait()
+        self.idle += time.perf_counter() - start
+        return not self.stopping
+
+    def await_batch(self, step: int, ready: Any) -> float:
+        """Under the lock: let the producer draw up to the next checkpoint, then wait for
+        ``ready()``; returns the seconds waited. Raises the producer's error."""
+        limit = self.service.draw_limit(step)
+        if limit > self.limit:  # past a checkpoint's pause: the next batch starts from the newest weights
+            self.floor = self.service.version
+        self.limit = limit
+        self.cond.notify_all()
+        start = time.perf_counter()
+        while self.error is None and not ready():
+            self.cond.wait()
+        if self.error is not None:
+            raise RuntimeError("the rollout producer failed; its error is above") from self.error
+        return time.perf_counter() - start
+
+    def wait_metrics(self, metrics: dict[str, float], wait: float) -> None:
+        """``timing_s/gen``: the trainer's wait for the batch (EasyR1's name), also
+        ``timing_s/wait_rollout``; ``timing_s/wait_trainer``: the engines' idle time since the last batch."""
+        metrics["timing_s/gen"] = metrics["timing_s/wait_rollout"] = wait
+        metrics["timing_s/wait_trainer"], self.idle = self.idle, 0.0
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Under the engine lock: published weights (``version``'s, else the newest) to every engine."""
+        service = self.service
+        with self.cond:
+            version, ref = service.weights if version is None else (version, service.published[version])
+        service.workers.rollout_group.call_all("load_weights", ref, version)
+        service.engine_version = version
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
+
+class BatchesAhead(Producer):
+    """Whole batches, in step order, up to k steps ahead of the trainer."""
+
+    def __init__(self, service: Any):
+        super().__init__(service)
+        self.ready: dict[int, tuple[Any, dict[str, float]]] = {}
+        self.taken = 0  # the last step whose batch the trainer took
+
+    def start(self, first_step: int) -> None:
+        self.taken = first_step - 1
+        super().start(first_step)
+
+    def run(self, step: int) -> None:
+        service = self.service
+        while step <= service.total_steps:
+            with self.cond:
+                # one batch ahead of the trainer's requests, so that the engine's calls (and a
+                # validation between them) come in the same order whatever the timing
+                if not self.wait_until(lambda: step <= min(self.limit, self.taken + 1)
+                                       and service.version >= step - 1 - self.k):
+                    return
+                version = max(step - 1 - self.k, self.floor)
+                for old in [v for v in service.published if v < version]:  # no later batch needs them
+                    del service.published[old]
+            prompts = next(service._prompts())
+            metrics: dict[str, float] = {}
+            with timed("gen_async", metrics), service.engine_lock:
+                service.wanted_version = version
+                service._sync_weights(metrics, version)
+                batch, reward = service.rounds.generate(prompts, metrics, step, service.rollout.generate)
+            with self.cond:
+                self.ready[step] = (StepSamples(prompts, batch, reward), metrics)
+                self.cond.notify_all()
+            step += 1
+
+    def take(self, step: int, metrics: dict[str, float]) -> Any:
+        with self.cond:
+            self.taken = step - 1  # asking for this step: its predecessor was taken
+            wait = self.await_batch(step, lambda: step in self.ready)
+            samples, gen_metrics = self.ready.pop(step)
+            self.taken = step
+            self.cond.notify_all()  # the producer may start the next batch
+        metrics.update(gen_metrics)
+        self.wait_metrics(metrics, wait)
+        return samples
+
+
+@dataclass
+class Group:
+    """A prompt group in play: its prompt row (seeded), the version its first tokens were sampled
+    with, its engine, and once complete its rollout rows and reward."""
+
+    prompt: Batch
+    admitted: int
+    host: int
+    batch: Batch | None = None
+    reward: Any = None
+
+
+class GroupStream(Producer):
+    """Prompt groups streamed through the engines' interruptible generation (partial rollouts)."""
+
+    def __init__(self, service: Any):
+        super().__init__(service)
+        self.groups: dict[tuple[int, int], Group] = {}  # admitted, not dropped, not yet trained on
+        self.completed: list[tuple[int, int]] = []  # of those, the complete ones, in completion order
+        self.in_play = 0  # groups admitted, minus those dropped by online filtering
+        self.draws = 0
+        self.dropped = 0  # by online filtering, since the last batch
+        self.submissions: dict[tuple[int, int], tuple[int, int]] = {}  # (tag, row) -> group key
+        self.tags = itertools.count()
+
+    @property
+    def prompt_groups(self) -> int:
+        return self.service.spec.prompt_groups
+
+    def _may_admit(self, version: int) -> bool:
+        """Another prompt batch goes into play when the engines are short of work (less than B
+        groups generating) and the trainer of samples (less than B complete), within the bound: at
+        most (version + 1 + k) x B groups admitted in all, none past the next checkpoint's step.
+        On demand, not as far as the bound allows: an engine quicker than the trainer then stays
+        one step ahead (staleness 1, generation still overlapped with training) instead of k
+        (measured: docs/benchmarks.md, "Asynchronous rollout"). Known cost, predicted by
+        bench/cluster_model.py and not yet measured: with long tails a batch's few long samples
+        keep B groups "generating" and block admission while the engines have room, 13-38 %
+        slower than eager admission at 16-64 GPUs with k >= 2 (docs/cluster_model.md); counting
+        unfinished sequences instead of groups is the fix to try."""
+        cap = min(version + 1 + self.k, self.limit) * self.prompt_groups
+        generating = sum(1 for g in self.groups.values() if g.batch is None)
+        wanted = generating < self.prompt_groups and len(self.completed) < self.prompt_groups
+        return wanted and self.in_play + self.prompt_groups <= cap
+
+    def _in_flight(self) -> bool:
+        return any(g.batch is None for g in self.groups.values())
+
+    def run(self, first_step: int) -> None:
+        service = self.service
+        while True:
+            with self.cond:
+                if not self.wait_until(lambda: self._may_admit(service.version) or self._in_flight()):
+                    return
+                version, _ = service.weights
+                for old in [v for v in service.published if v < version]:  # only the newest is sent
+                    del service.published[old]
+                admit = self._may_admit(version)
+            with service.engine_lock:
+                if service.engine_version != version:
+                    self.send_weights()
+                if admit:
+                    self._admit(version)
+                finished = self._advance()
+            self._complete(finished)
+
+    def send_weights(self, version: int | None = None) -> None:
+        """Under the engine lock: the newest published weights to every engine, between two
+        decoding steps (their unfinished samples go on with them)."""
+        service = self.service
+        with self.cond:
+            version, ref = service.weights
+        workers = service.workers.rollout_group.workers
+        self._on_each(range(len(workers)), lambda host: workers[host].call.remote("stream_set_weights", ref, version))
+        service.engine_version = version
+
+    def _on_each(self, hosts: Any, call: Any) -> list[tuple[int, Any]]:
+        """``call(host)`` (a Ray call) on each engine, their answers; an engine whose process died
+        is restarted and given its unfinished groups again (`_recover`), and answers nothing."""
+        refs = []
+        for host in hosts:
+            try:
+                refs.append((host, call(host)))
+            except RayActorError:
+                self._recover(host)
+        answers = []
+        for host, ref in refs:
+            try:
+                answers.append((host, ray.get(ref)))
+            except RayActorError:
+                self._recover(host)
+        return answers
+
+    def _admit(self, version: int) -> None:
+        """One prompt batch into play, its groups spread over the engines in contiguous slices."""
+        service = self.service
+        prompts = next(service._prompts())
+        draw = self.draws
+        self.draws += 1
+        prompts = service.rounds.seeded(prompts, TRAIN_CALL, draw + 1, 0)  # as step draw + 1's first round
+        hosts = len(service.workers.rollout_group.workers)
+        slices = [list(range(len(prompts)))[h::hosts] for h in range(hosts)]
+        with self.cond:
+            for host, rows in enumerate(slices):
+                for r in rows:
+                    self.groups[(draw, r)] = Group(prompts.index([r]), version, host)
+            self.in_play += len(prompts)
+        submissions = {host: self._submission(prompts, rows, [(draw, r) for r in rows])
+                       for host, rows in enumerate(slices) if rows}
+        workers = service.workers.rollout_group.workers
+        self._on_each(submissions, lambda host: workers[host].call.remote("stream_submit", *submissions[host]))
+
+    def _submission(self, prompts: Batch, rows: list[int], keys: list[tuple[int, int]]) -> tuple[Batch, int]:
+        """The arguments of stream_submit for ``rows`` of ``prompts`` (the groups ``keys``)."""
+        tag = next(self.tags)
+        for i, key in enumerate(keys):
+            self.submissions[(tag, i)] = key
+        return prompts.index(rows), tag
+
+    def _advance(self) -> list[tuple[tuple[int, int], Batch]]:
+        """A few decoding steps on every engine with work."""
+        workers = self.service.workers.rollout_group.workers
+        with self.cond:
+            busy = sorted({g.host for g in self.groups.values() if g.batch is None})
+        answers = self._on_each(busy, lambda host: workers[host].call.remote("stream_advance", STREAM_STEPS))
+        return [(self.submissions.pop(sub), batch) for _, done in answers for sub, batch in done]
+
+    def _recover(self, host: int) -> None:
+        """Restart engine ``host``, give it the published weights and its unfinished groups (their
+        tokens so far are lost with the process: they start again, on the newest weights)."""
+        service = self.service
+        group = service.workers.rollout_group
+        service.note_restart(host)
+        group.restart(host)
+        with self.cond:
+            version, ref = service.weights
+            lost = sorted(key for key, g in self.groups.items() if g.host == host and g.batch is None)
+        worker = group.workers[host]
+        ray.get(worker.call.remote("stream_set_weights", ref, version))
+        self.submissions = {sub: key for sub, key in self.submissions.items() if key not in set(lost)}
+        for draw in sorted({d for d, _ in lost}):
+            keys = [key for key in lost if key[0] == draw]
+            prompts = Batch.concat([self.groups[key].prompt for key in keys])
+            ray.get(worker.call.remote("stream_submit", *self._submission(prompts, list(range(len(keys))), keys)))
+
+    def _complete(self, finished: list[tuple[tuple[int, int], Batch]]) -> None:
+        """Score each completed group; with online filtering, drop those outside the range (their
+        place goes to new prompts)."""
+        service = self.service
+        filtering = service.spec.filtering
+        for key, batch in finished:
+            reward = service.scorer.submit(service.scorer.inputs(batch, training=True))
+            if filtering.online_filtering:
+                reward = ray.get(reward)
+                keep = bool(kept_groups(batch, reward, filtering))
+            else:
+                keep = True
+            with self.cond:
+                if keep:
+                    self.groups[key].batch, self.groups[key].reward = batch, reward
+                    self.completed.append(key)
+                else:
+                    del self.groups[key]
+                    self.in_play -= 1
+                    self.dropped += 1
+                self.cond.notify_all()
+
+    def _choose(self, version: int) -> list[tuple[int, int]] | None:
+        """The B complete groups the step at ``version`` trains on, or None (wait for more).
+
+        A group admitted at version v must be trained at version v + k at the latest. For
+        m = 0 .. k-1, the groups admitted at versions <= version - k + m must all be trained by
+        this step and the m after it, which take at most B each: this step takes at least
+        (their number) - m x B of them (m = 0: every group that cannot wait longer), the ones that
+        completed first, and waits while too few of them are complete. The rest of its B are the
+        first completed of any version: the freshest samples that keep the bound. (Taking only
+        the m = 0 groups, then the first completed, lets young groups overtake slow old ones until
+        a later step has more than B groups it must take: found with bench/cluster_model.py, whose
+        selection is this one.)"""
+        wanted, batch = self.prompt_groups, []
+        for m in range(self.k):
+            oldest = version - self.k + m
+            due = sum(1 for g in self.groups.values() if g.admitted <= oldest) - m * wanted
+            due -= sum(1 for key in batch if self.groups[key].admitted <= oldest)
+            pool = [key for key in self.completed if self.groups[key].admitted <= oldest and key not in batch]
+            if due > len(pool) or due > wanted - len(batch):
+                return None
+            batch += pool[: max(0, due)]
+        batch += [key for key in self.completed if key not in batch][: wanted - len(batch)]
+        return batch if len(batch) == wanted else None
+
+
+    def take(self, step: int, metrics: dict[str, float]) -> Any:
+        """Step ``step``'s B groups (`_choose`), in admission order."""
+        service, wanted = self.service, self.prompt_groups
+        chosen: list[tuple[int, int]] = []
+
+        def ready() -> bool:
+            spec = service.spec
+            if spec.filtering.online_filtering and spec.max_rounds > 0 and self.dropped > spec.max_rounds * wanted:
+                self.error = filter_error(len(self.completed), wanted, f"{self.dropped} groups dropped",
+                                          spec.filtering.filter_key)
+                return False
+            batch = self._choose(service.version)
+            chosen[:] = batch or []
+            return batch is not None
+
+        with self.cond:
+            wait = self.await_batch(step, ready)
+            taken = [self.groups.pop(key) for key in sorted(chosen)]
+            self.completed = [key for key in self.completed if key not in set(chosen)]
+            self.cond.notify_all()  # the producer may admit the next prompts now
+            if service.spec.filtering.online_filtering:
+                metrics["online_filtering/dropped_groups"] = float(self.dropped)
+            self.dropped = 0
+        batch = core.concat_rollouts([g.batch for g in taken], service.pad_token_id)
+        rewards = [g.reward for g in taken]
+        reward = concat_results(rewards) if service.spec.filtering.online_filtering else rewards
+        self.wait_metrics(metrics, wait)
+        return StepSamples(None, batch, reward)

@@ -1,0 +1,263 @@
+"""The rollout service: the one owner of generation and of the policy's version.
+
+The trainer asks it for each step's batch (``next_batch``) and tells it when a step is done
+(``step_done``: the weights may have changed); how the samples are made is the service's business.
+Three placements behind that interface (docs/rollout.md, "Asynchronous rollout"):
+
+- **colocated** (the hybrid engine, the default): the step's batch is generated on the spot by the
+  engines in the actor's processes, which take the weights in memory when their version changed;
+- **separate, synchronous** (``worker.rollout.max_staleness: 0``): generated on the spot by the
+  rollout group, which is sent the weights over Ray when their version changed;
+- **separate, asynchronous** (``max_staleness: k >= 1``; ``one_step_off`` is k = 1): a producer
+  thread keeps generating while the trainer updates (``easyvlm.trainer.async_rollout``): whole
+  batches in order (`BatchesAhead`), or, with ``partial_rollout``, prompt groups streamed to the
+  trainer as they complete, new weights reaching the engines between two decoding steps
+  (`GroupStream`).
+
+The version: the number of training steps done (a loaded checkpoint's step), the only policy
+version in the program. A sample's staleness is the version it is trained at minus the version of
+the weights that sampled its oldest token; the asynchronous producers never let it exceed k.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Iterator
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from easyvlm.agents.setup import DriverRollout
+from easyvlm.data.batch import Batch
+from easyvlm.data.dataloader import PromptDataLoader
+from easyvlm.pipeline.scoring import Scorer
+from easyvlm.plan.build import RunPlan
+from easyvlm.rollout.specs import Sampling
+from easyvlm.trainer.metrics import timed
+from easyvlm.trainer.sampling import GenerationRounds, StepSamples
+from easyvlm.trainer.topology import Workers
+
+logger = logging.getLogger("easyvlm")
+# how often a generation call is retried after its engine process died (and was restarted)
+ENGINE_RESTARTS = 3
+
+
+class RolloutService:
+    """Generation for the trainer, validation and ReMax's baseline, in the plan's placement."""
+
+    def __init__(self, plan: RunPlan, workers: Workers, scorer: Scorer, loader: PromptDataLoader, total_steps: int,
+                 encoder: Any):
+        self.spec = spec = plan.driver.rounds
+        self.workers, self.scorer, self.loader, self.total_steps = workers, scorer, loader, total_steps
+        self.save_freq = plan.driver.save_freq
+        self.sampling: Sampling = plan.rollout.sampling
+        self.pad_token_id = plan.bundle.tokens.pad
+        self.rounds = GenerationRounds(spec, scorer, loader, self.pad_token_id)
+        self.rollout = DriverRollout(plan, encoder, self._engine_call)  # one call, or the multi-turn loop
+        self.version = 0
+        self.engine_version = -1  # the weights the separate engines hold (-1: the checkpoint's files')
+        self.engine_lock = threading.RLock()  # one user of the separate engines at a time
+        self.wanted_version = 0  # under the engine lock: the weights the current generation uses
+        self.cond = threading.Condition()  # guards version, weights and the producer's state
+        self.published: dict[int, Any] = {}  # asynchronous: weights by version (Ray refs), the ones still needed
+        self.engine_restarts = 0  # engine processes that died and were restarted, so far
+        self.producer: Any = None
+        if spec.max_staleness > 0:
+            from easyvlm.trainer.async_rollout import BatchesAhead, GroupStream
+
+            self.producer = (GroupStream if spec.partial_rollout else BatchesAhead)(self)
+        self._prompt_iter: Iterator[Batch] | None = None
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.producer is not None
+
+    # ------------------------------------------------------------------ the trainer's side
+    def begin(self, version: int) -> None:
+        """Start at ``version`` (the steps a loaded checkpoint had done; 0 on a fresh run): the
+        asynchronous producer starts generating step ``version + 1``'s samples."""
+        self.version = version
+        self.engine_version = -1
+        if self.producer is not None:
+            self.publish_weights({})
+            self.producer.start(version + 1)
+
+    def next_batch(self, step: int, metrics: dict[str, float], prompts: Batch | None = None) -> StepSamples:
+        """Step ``step``'s samples: generated now (synchronous placements; ``prompts``, else the
+        loader's next), or the producer's. Logs the staleness (separate engines) and, streamed,
+        the share of samples whose tokens span more than one version."""
+        if self.producer is not None and prompts is None:
+            samples = self.producer.take(step, metrics)
+        else:
+            prompts = prompts if prompts is not None else next(self._prompts())
+            start = time.perf_counter()
+            with timed("gen", metrics), self.engine_lock:
+                self.wanted_version = self.version
+                self._sync_weights(metrics)
+                batch, reward = self.rounds.generate(prompts, metrics, step, self.rollout.generate)
+            if self.workers.rollout_group is not None:  # the trainer idles while the separate engines work
+                metrics["timing_s/wait_rollout"] = time.perf_counter() - start
+            samples = StepSamples(prompts, batch, reward)
+        metrics.update(staleness_metrics(samples.batch, self.version))
+        if self.workers.rollout_group is not None:
+            metrics["rollout/engine_restarts"] = float(self.engine_restarts)
+        return samples
+
+    def step_done(self, metrics: dict[str, float]) -> None:
+        """The step's update is done: the policy's version counts it (critic warm-up steps too, so
+        that versions and steps agree), and an asynchronous producer gets the new weights."""
+        if self.producer is None or self.version + 1 >= self.total_steps:  # no later step's batch needs them
+            with self.cond:
+                self.version += 1
+        else:
+            self.publish_weights(metrics, self.version + 1)
+
+    def publish_weights(self, metrics: dict[str, float], version: int | None = None) -> None:
+        """Asynchronous: gather the actor's weights (a collective on the hybrid ranks: the main
+        thread's) into the object store, then make them and their version current together, so
+        that the producer never sees a version without its weights."""
+        with timed("weight_gather", metrics):
+            refs = self.workers.hybrid.call_all_async("weights_for_sync")  # full weights on rank 0, None elsewhere
+            ray.get(refs[1:])
+        with self.cond:
+            self.version = self.version if version is None else version
+            self.published[self.version] = refs[0]
+            self.cond.notify_all()
+
+    @property
+    def weights(self) -> tuple[int, Any]:
+        """The newest published weights: (version, Ray ref)."""
+        version = max(self.published)
+        return version, self.published[version]
+
+    def loader_state(self) -> dict:
+        """The data loader's state for a checkpoint: the prompts of the steps trained so far (the
+        asynchronous producer draws no prompt beyond a checkpoint's step until it is saved)."""
+        return self.loader.state_dict()
+
+    def draw_limit(self, step: int) -> int:
+        """The last step whose prompts may be drawn while step ``step`` runs: the next checkpoint's
+        step (its loader state must not include later prompts), else the last step."""
+        if self.save_freq <= 0:
+            return self.total_steps
+        return min(self.total_steps, -(-step // self.save_freq) * self.save_freq)
+
+    # ------------------------------------------------------------------ generation on current weights
+    def generate(self, prompts: Batch, sampling: Sampling | None = None) -> Batch:
+        """Samples of the current weights (validation, ReMax's greedy baseline), whatever the
+        producer is doing: it waits for the engines (a streamed generation goes on afterwards, on
+        the weights loaded here)."""
+        with self.engine_lock:
+            self.wanted_version = self.version
+            self._sync_weights(None)
+            return self.rollout.generate(prompts, sampling)
+
+    def _prompts(self) -> Iterator[Batch]:
+        if self._prompt_iter is None:
+            self._prompt_iter = prompt_batches(self.loader)
+        return self._prompt_iter
+
+    # ------------------------------------------------------------------ the engines
+    def _engine_call(self, batch: Batch, sampling: Sampling | None) -> Batch:
+        """One generation call: the colocated engines (told the version, they sync when it changed)
+        or the separate ones, whose dead processes are restarted and the call retried."""
+        if self.workers.rollout_group is None:
+            return self.workers.hybrid.dispatch("generate", batch, sampling=sampling, version=self.version)
+        for attempt in range(ENGINE_RESTARTS + 1):
+            try:
+                return self.workers.rollout_group.dispatch("generate", batch, sampling=sampling)
+            except RayActorError:
+                if attempt == ENGINE_RESTARTS:
+                    raise
+                self.restart_dead_engines()
+                self._sync_weights(None, self.wanted_version)
+        raise AssertionError("unreachable")
+
+    def restart_dead_engines(self) -> list[int]:
+        """Restart the rollout group's ranks whose process died; returns their ranks. Their
+        weights are the checkpoint files' until the next sync (``engine_version`` = -1)."""
+        group = self.workers.rollout_group
+        dead = []
+        for rank, worker in enumerate(group.workers):
+            try:
+                ray.get(worker.node.remote(), timeout=60)
+            except RayActorError:
+                dead.append(rank)
+        for rank in dead:
+            self.note_restart(rank)
+            group.restart(rank)
+        if dead:
+            self.engine_version = -1
+        return dead
+
+    def note_restart(self, rank: int) -> None:
+        self.engine_restarts += 1
+        logger.warning("easyvlm: rollout engine rank %d died; restarting it (its unfinished samples are generated "
+                       "again)", rank)
+
+    def _sync_weights(self, metrics: dict[str, float] | None, version: int | None = None) -> None:
+        """Separate engines: send them ``version``'s weights (default: the current) if they hold
+        others (under the engine lock). Synchronous placements gather them now (the main thread's
+        call); asynchronous ones send published ones. Colocated engines sync themselves
+        (``HybridWorker.generate``)."""
+        group = self.workers.rollout_group
+        version = self.version if version is None else version
+        if group is None or self.engine_version == version:
+            return
+        start = time.perf_counter()
+        for attempt in range(ENGINE_RESTARTS + 1):
+            try:
+                self._send_weights(version)
+                break
+            except RayActorError:
+                if attempt == ENGINE_RESTARTS:
+                    raise
+                self.restart_dead_engines()
+        if metrics is not None:
+            metrics["timing_s/weight_sync"] = metrics.get("timing_s/weight_sync", 0.0) + time.perf_counter() - start
+
+    def _send_weights(self, version: int) -> None:
+        if self.producer is None:
+            refs = self.workers.hybrid.call_all_async("weights_for_sync")
+            self.workers.rollout_group.call_all("load_weights", refs[0], version)
+            ray.get(refs[1:])
+            self.engine_version = version
+        else:
+            if version not in self.published:  # the last step's weights, for validation (the main thread)
+                self.publish_weights({})
+            self.producer.send_weights(version)
+
+    def close(self) -> None:
+        if self.producer is not None:
+            self.producer.stop()
+
+
+def prompt_batches(loader: PromptDataLoader) -> Iterator[Batch]:
+    """The loader's prompt batches across epochs (it resumes mid-epoch)."""
+    while True:
+        yielded = False
+        for prompts in loader:
+            yielded = True
+            yield prompts
+        if not yielded:
+            raise RuntimeError("the training dataloader produced no batch; check data.train_files and rollout_batch_size")
+
+
+def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
+    """``rollout/staleness_mean`` and ``_max``: how many updates behind the version the batch trains
+    at each sample's oldest token was sampled (separate engines tag ``rollout_version``); with
+    per-token versions (partial rollouts) also ``rollout/partial_fraction``: the share of samples
+    whose tokens span more than one version."""
+    if "rollout_version" not in batch:
+        return {}
+    staleness = (version - batch["rollout_version"]).float()
+    out = {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
+    if "rollout_token_versions" in batch:
+        versions, mask = batch["rollout_token_versions"], batch["response_mask"].bool()
+        high = torch.where(mask, versions, torch.full_like(versions, -1)).amax(dim=1)
+        low = torch.where(mask, versions, torch.full_like(versions, 2**62)).amin(dim=1)
+        out["rollout/partial_fraction"] = float(((high > low) & mask.any(dim=1)).float().mean())
+    return out
