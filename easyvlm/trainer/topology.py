@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from easyvlm.distributed.worker_group import Resources, WorkerGroup, placement_report
 from easyvlm.pipeline.model_scorers import start_reward_model
@@ -94,7 +95,10 @@ class Workers:
             busy = key[1] in ("rollout", "reward") and generating_ahead
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0 if busy else None)
             if len(ready) == len(refs):
-                self._peaks[key] = ray.get(refs)
+                try:
+                    self._peaks[key] = ray.get(refs)
+                except RayActorError:  # a rollout engine died (and was restarted): ask the new one next step
+                    pass
                 del self._peak_asks[key]
         rss = {name: peaks for (kind, name), peaks in self._peaks.items() if kind == "rss"}
         cuda = {name: peaks for (kind, name), peaks in self._peaks.items() if kind == "cuda"}
