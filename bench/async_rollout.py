@@ -16,6 +16,7 @@ staleness and partial-fraction means.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -108,19 +109,12 @@ def main() -> None:
         stop.set()
     total = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "experiment_log.jsonl").read_text().splitlines()]
-    wall = list(itertools_accumulate(r.get("timing_s/step", 0.0) + r.get("timing_s/validation", 0.0) for r in rows))
+    wall = list(itertools.accumulate(r.get("timing_s/step", 0.0) + r.get("timing_s/validation", 0.0) for r in rows))
     result = {"bench": "async_rollout", "mode": args.mode, "steps": args.steps, "overrides": overrides,
               "pinned": pinned, "cpu": platform.processor() or platform.machine(), "run_s": round(total, 1),
               **summarise(rows, wall)}
     print(json.dumps(result))
     (run_dir / "bench_result.json").write_text(json.dumps(result, indent=1))
-
-
-def itertools_accumulate(values):
-    total = 0.0
-    for v in values:
-        total += v
-        yield total
 
 
 if __name__ == "__main__":

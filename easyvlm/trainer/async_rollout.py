@@ -151,7 +151,6 @@ class BatchesAhead(Producer):
 
     def take(self, step: int, metrics: dict[str, float]) -> Any:
         with self.cond:
-            self.taken = step - 1  # asking for this step: its predecessor was taken
             wait = self.await_batch(step, lambda: step in self.ready)
             samples, gen_metrics = self.ready.pop(step)
             self.taken = step
@@ -300,7 +299,8 @@ class GroupStream(Producer):
             lost = sorted(key for key, g in self.groups.items() if g.host == host and g.batch is None)
         worker = group.workers[host]
         ray.get(worker.call.remote("stream_set_weights", ref, version))
-        self.submissions = {sub: key for sub, key in self.submissions.items() if key not in set(lost)}
+        gone = set(lost)
+        self.submissions = {sub: key for sub, key in self.submissions.items() if key not in gone}
         for draw in sorted({d for d, _ in lost}):
             keys = [key for key in lost if key[0] == draw]
             prompts = Batch.concat([self.groups[key].prompt for key in keys])
@@ -371,7 +371,8 @@ class GroupStream(Producer):
         with self.cond:
             wait = self.await_batch(step, ready)
             taken = [self.groups.pop(key) for key in sorted(chosen)]
-            self.completed = [key for key in self.completed if key not in set(chosen)]
+            picked = set(chosen)
+            self.completed = [key for key in self.completed if key not in picked]
             self.cond.notify_all()  # the producer may admit the next prompts now
             if service.spec.filtering.online_filtering:
                 metrics["online_filtering/dropped_groups"] = float(self.dropped)

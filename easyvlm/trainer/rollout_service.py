@@ -37,7 +37,7 @@ from easyvlm.pipeline.scoring import Scorer
 from easyvlm.plan.build import RunPlan
 from easyvlm.rollout.specs import Sampling
 from easyvlm.trainer.metrics import timed
-from easyvlm.trainer.sampling import GenerationRounds, StepSamples
+from easyvlm.trainer.sampling import GenerationRounds, StepSamples, prompt_batches
 from easyvlm.trainer.topology import Workers
 
 logger = logging.getLogger("easyvlm")
@@ -233,17 +233,6 @@ class RolloutService:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.stop()
-
-
-def prompt_batches(loader: PromptDataLoader) -> Iterator[Batch]:
-    """The loader's prompt batches across epochs (it resumes mid-epoch)."""
-    while True:
-        yielded = False
-        for prompts in loader:
-            yielded = True
-            yield prompts
-        if not yielded:
-            raise RuntimeError("the training dataloader produced no batch; check data.train_files and rollout_batch_size")
 
 
 def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:

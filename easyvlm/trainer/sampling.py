@@ -3,8 +3,9 @@ service runs them for every placement but the streamed one)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ray
 
@@ -83,12 +84,20 @@ class GenerationRounds:
             return prompts
         return seeded_prompts(prompts, self.spec.seed, call)
 
-    def _refill(self, first: Batch):
+    def _refill(self, first: Batch) -> Iterator[Batch]:
         """The step's prompts, then more prompts from the loader for further filtering rounds."""
-        yield first
-        while True:
-            for prompts in self.loader:
-                yield prompts
+        return itertools.chain([first], prompt_batches(self.loader))
+
+
+def prompt_batches(loader: PromptDataLoader) -> Iterator[Batch]:
+    """The loader's prompt batches across epochs (it resumes mid-epoch)."""
+    while True:
+        yielded = False
+        for prompts in loader:
+            yielded = True
+            yield prompts
+        if not yielded:
+            raise RuntimeError("the training dataloader produced no batch; check data.train_files and rollout_batch_size")
 
 
 def kept_groups(batch: Batch, result: Any, filtering: Any) -> list[str]:
