@@ -40,6 +40,8 @@ from easyvlm.trainer.scoring import concat_results
 
 # Decoding steps per stream_advance call: new weights and completed groups are seen this often.
 STREAM_STEPS = 4
+# How long closing the service waits for the producer's current engine call to return.
+STOP_TIMEOUT_S = 60.0
 
 
 class Producer:
@@ -108,10 +110,15 @@ class Producer:
         service.workers.rollout_group.call_all("load_weights", ref, version)
         service.engine_version = version
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Stop drawing and wait for the thread to end: a thread left running would call the engines
+        after the run's actors are gone (and, in one process running trainer after trainer, into
+        the next run)."""
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
 
 class BatchesAhead(Producer):

@@ -148,6 +148,10 @@ def train(service: RolloutService, steps: int, seconds_per_step: float = 0.0, du
         service.close()
         raise AssertionError("the trainer is still waiting for its batch after 60 s")
     assert done, "the trainer failed (its error is printed above)"
+    # closed means stopped: a producer thread left running would call the real Ray once this test's
+    # fakes are undone (it started a Ray cluster inside pytest, whose loss later ended the process)
+    producer = service.producer
+    assert producer is None or producer.thread is None or not producer.thread.is_alive(), "close() left the producer running"
     return done[0]
 
 
