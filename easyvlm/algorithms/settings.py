@@ -179,3 +179,31 @@ class OnlineFilterSettings:
     """Online filtering keeps prompts whose mean `filter_key` is above this ..."""
     filter_high: float = 0.99
     """... and below this."""
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """On-policy distillation (GKD, arXiv:2306.13649): the student samples, the teacher
+    (``worker.teacher``) gives its log-probs on those samples, and the student is pulled towards the
+    teacher by the reverse KL KL(pi_student || pi_teacher) per token (``distill.py``): the keys
+    ``algorithm.distill_coef`` ... ``distill_only``."""
+
+    distill_coef: float = 0.0
+    """easyvlm extra. Weight of the distillation signal; 0 = off (and worker.teacher must be off).
+    As a loss (default): the actor loss adds distill_coef times the reverse KL to the teacher,
+    aggregated like the policy loss. With distill_as_reward: each token's advantage gets
+    distill_coef * (teacher log-prob - student log-prob)."""
+    distill_full_kl: bool = False
+    """easyvlm extra. The distillation loss is the exact reverse KL over the vocabulary at each
+    sampled position (the teacher's whole distribution, as kl_penalty=full computes it) instead of
+    the one-sample estimate log pi_student - log pi_teacher of the sampled token."""
+    distill_as_reward: bool = False
+    """easyvlm extra. The teacher's log-prob advantage as the per-token advantage (no baseline:
+    distill_coef * (log pi_teacher - log pi_student) of each sampled token, added to the estimator's
+    advantage), optimised by the policy loss, instead of a loss term (the Thinking Machines /
+    verl-recipe form). Needs the old log-probs pass (the student's log-probs before the update)."""
+    distill_only: bool = False
+    """easyvlm extra. Pure distillation: no policy gradient from the reward; the update is the
+    distillation alone (the reward function still scores the samples, for the reward/* metrics and
+    validation). Not with gae, remax, online filtering or the KL in the reward (they act through
+    the reward's advantage)."""

@@ -149,6 +149,15 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     "tiny-qwen2.5-vl-words": replace(
         _TINY, word_tokens=(*PALETTE, *SHAPES), description="the CPU demo's base model (answer words are single tokens)"
     ),
+    # The base of the demo's distillation teacher (warm start tiny-qwen2.5-vl-teacher), ~2.8 M
+    # parameters: twice as wide (text and vision), one more decoder layer. The tokenizer (same word
+    # tokens), head_dim 32 (so the same mrope_section) and the processor's patch, merge and pixel
+    # settings are the student's: a teacher scores the student's token ids on the student's prompts.
+    "tiny-qwen2.5-vl-words-large": replace(
+        _TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=4, vision_hidden_size=128, vision_intermediate_size=256,
+        word_tokens=(*PALETTE, *SHAPES), description="base of the CPU demo's distillation teacher",
+    ),
     # The tools demo's base: answer words and the pieces of a zoom call are single tokens.
     "tiny-qwen2.5-vl-tools": replace(
         _TINY, word_tokens=(*PALETTE, *SHAPES, *ZOOM_CALL_TOKENS),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from easyvlm.algorithms.settings import KLSettings, OnlineFilterSettings
+from easyvlm.algorithms.settings import DistillSettings, KLSettings, OnlineFilterSettings
 from easyvlm.config.compose import fields_of
 from easyvlm.config.names import LoggerName
 from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
@@ -30,6 +30,7 @@ from easyvlm.config.worker_schema import WorkerConfig
 
 # ---------------------------------------------------------------------------------------- algorithm
 @dataclass(frozen=True)
+@fields_of(DistillSettings, after="multi_objective_aggregation", read_as="distill")
 @fields_of(OnlineFilterSettings, after="use_bias_correction_kl", read_as="online_filter")
 @fields_of(KLSettings, after="adv_estimator", read_as="kl")
 class AlgorithmConfig:
@@ -53,6 +54,7 @@ class AlgorithmConfig:
     normalised over the batch; that replaces the score of an outcome estimator, and with grpo it is
     the advantage itself (TRL's). Needs two or more reward functions; not with gae or remax; with
     grpo, not with the KL in the reward or norm_adv_by_std_in_grpo=false (docs/algorithms.md)."""
+    # here: on-policy distillation's keys, distill_coef ... distill_only (DistillSettings)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction: truncated / masked importance sampling against the sampler."""
 

@@ -20,6 +20,7 @@ from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import RolloutConfig
 from easyvlm.config.checks import Checks, check_fsdp, divisors, looks_local, missing_logger_packages, name_or_spec, type_problems
+from easyvlm.config.validate_distill import check_distillation
 from easyvlm.config.validate_workers import (
     check_actor, check_critic, check_judge, check_reward, check_reward_model, check_rollout, differs,
 )
@@ -52,6 +53,7 @@ def find_problems(cfg: PPOConfig, check_files: bool = False) -> list[Problem]:
     check_reward_model(c)
     check_judge(c)
     check_rollout(c)
+    check_distillation(c)
     _check_trainer(c)
     check_fsdp(c, "worker.ref.fsdp")
     if cfg.worker.ref.offload.offload_optimizer:
@@ -343,6 +345,9 @@ def _check_files(c: Checks) -> None:
     rm_path = cfg.worker.reward_model.model.model_path
     if cfg.worker.reward_model.enable and rm_path and not rm_path.startswith("builtin:") and looks_local(rm_path):
         must_exist("worker.reward_model.model.model_path", rm_path, "model directory", is_dir=True)
+    teacher_path = cfg.worker.teacher.model.model_path
+    if cfg.worker.teacher.enable and teacher_path and not teacher_path.startswith("builtin:") and looks_local(teacher_path):
+        must_exist("worker.teacher.model.model_path", teacher_path, "model directory", is_dir=True)
     roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
     for role in roles:
         model = c.get(f"worker.{role}.model")

@@ -245,7 +245,9 @@ def check_reward(c: Checks) -> None:
         message = "is set together with worker.reward.reward_functions; use one: reward_function for one file, "
         c.add(key, message + "reward_functions for a weighted combination")
     elif not r.reward_function and not r.reward_functions:
-        c.add(key, "is unset: give the scoring function as path/to/file.py:func (e.g. ./my_reward.py:score)")
+        pure = ("; for pure distillation from a teacher keep a reward function (it scores the samples for the metrics and "
+                "validation) and set algorithm.distill_only=true") if c.cfg.algorithm.distill.distill_coef > 0 else ""
+        c.add(key, f"is unset: give the scoring function as path/to/file.py:func (e.g. ./my_reward.py:score){pure}")
     if r.reward_function:
         _check_spec(c, key, r.reward_function)
     _check_kwargs(c, "worker.reward.reward_function_kwargs", r.reward_function_kwargs)

@@ -164,6 +164,35 @@ class RefConfig:
 
 
 @dataclass(frozen=True)
+class TeacherModelConfig:
+    model_path: Optional[str] = None
+    """The teacher: `builtin:tiny-qwen2.5-vl-teacher`, a local directory in Hugging Face format or a
+    hub id. It scores the student's tokens as they are, so it must share the student's tokenizer
+    and image processor (checked before start); it may be larger or of another family."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values that override the teacher's `config.json` when it is loaded."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the teacher's repository."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel of the teacher (see `worker.actor.model.attn_implementation`)."""
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    enable: bool = False
+    """easyvlm extra. On-policy distillation's teacher: a frozen model that gives its log-probs on the
+    student's samples in the same packed rows as the reference model (`algorithm.distill_coef`).
+    Micro-batch size, padding-free, shared prompts, Ulysses and torch.compile follow `worker.actor`."""
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    """The teacher model."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP settings of the teacher (`fsdp.torch_dtype`: its dtype; None = bf16 on GPUs, as the
+    reference model)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """CPU offloading of the teacher while idle."""
+
+
+@dataclass(frozen=True)
 class RewardFunctionConfig:
     reward_function: str = ""
     """`path/to/file.py:func` (without `:func` the function is `main`)."""
@@ -368,6 +397,8 @@ class WorkerConfig:
     """The value model (gae only)."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The reference policy for the KL penalty."""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """easyvlm extra. The teacher of on-policy distillation (`algorithm.distill_coef`)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """The reward function(s)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

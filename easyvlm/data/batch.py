@@ -61,7 +61,7 @@ MODEL_INPUT_KEYS = (
 )
 # What the actor and critic updates read, when present.
 UPDATE_INPUT_KEYS = (
-    *MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs",
+    *MODEL_INPUT_KEYS, "old_logprobs", "ref_logprobs", "teacher_logprobs", "advantages", "returns", "values", "rollout_logprobs",
     "rollout_is_weights",
 )
 # What the actor's update always needs (plus old_logprobs off-policy, ref_logprobs with a KL loss).

@@ -35,7 +35,7 @@ from easyvlm.utils.plugins import is_plugin_spec, resolve_plugin_spec
 from easyvlm.plan.driver import driver_spec
 from easyvlm.plan.stages import batch_stages
 from easyvlm.plan.models import load_bundle
-from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, reward_model_spec, rollout_spec
+from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, reward_model_spec, rollout_spec, teacher_spec
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class RunPlan:
     bundle: ModelBundle
     actor: ActorSpec
     ref: Optional[RefSpec]
+    teacher: Optional[RefSpec]
+    """On-policy distillation's teacher (``worker.teacher``); None = off."""
     critic: Optional[CriticSpec]
     rollout: RolloutSpec
     agent: Optional[AgentSpec]
@@ -97,6 +99,8 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
     critic = r(cfg.worker.critic, model=model(cfg.worker.critic.model))
     reward_model = cfg.worker.reward_model
     reward_model = r(reward_model, model=r(reward_model.model, model_path=abs_if_local(reward_model.model.model_path)))
+    teacher = cfg.worker.teacher
+    teacher = r(teacher, model=r(teacher.model, model_path=abs_if_local(teacher.model.model_path)))
     judge = cfg.worker.judge
     judge = r(judge, model_path=abs_if_local(judge.model_path), template=abs_if_local(judge.template),
               parser=spec(judge.parser) if judge.parser else judge.parser)
@@ -119,7 +123,7 @@ def resolve_paths(cfg: PPOConfig) -> PPOConfig:
         data=data,
         algorithm=r(cfg.algorithm, adv_estimator=spec(cfg.algorithm.adv_estimator)),
         worker=r(cfg.worker, actor=actor, critic=critic, reward=reward, reward_model=reward_model, judge=judge,
-                 rollout=rollout),
+                 rollout=rollout, teacher=teacher),
         trainer=trainer,
     )
 
@@ -159,6 +163,7 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         bundle=bundle,
         actor=actor,
         ref=ref_spec(cfg, bundle) if derived.use_reference else None,
+        teacher=teacher_spec(cfg, bundle),
         critic=critic,
         rollout=rollout,
         agent=agent_spec(cfg, bundle),

@@ -63,7 +63,7 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
     """The actor: its model, sections and the settings of its losses as configured (fsdp, offload,
     the policy loss, the entropy bonus; the KL settings when the KL is a term of its loss)."""
     actor = cfg.worker.actor
-    loss = actor.policy_loss
+    loss, distill = actor.policy_loss, cfg.algorithm.distill
     # a file.py:func loss runs in the workers, maybe on nodes without the file: its text travels
     source = read_plugin_source(loss.loss_type) if is_plugin_spec(loss.loss_type) else None
     return settings_of(
@@ -76,6 +76,8 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
         seed=cfg.trainer.seed,
         files=bundle,
         router_aux_loss_coef=router_aux_loss_coef(actor.router_aux_loss_coef, bundle.policy.hf_config),
+        distill=distill if distill.distill_coef > 0 and not distill.distill_as_reward else None,
+        policy_gradient=not (distill.distill_only and not distill.distill_as_reward),
     )
 
 
@@ -100,6 +102,77 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
     # the reference replays the sampler's experts under R3 only (R2 replays in the update alone)
     forward = dataclasses.replace(forward, router_replay="R3" if forward.router_replay == "R3" else "disabled")
     return settings_of(RefSpec, ref, model=model, forward=forward)
+
+
+def frozen_model_spec(section: Any, key: str) -> Any:
+    """The `ModelSpec` of a frozen model with a model section of its own (the reward model's, the
+    teacher's): its model_path, override_config, trust_remote_code and attn_implementation keys;
+    no adapters, no gradient checkpointing."""
+    from easyvlm.models.paths import resolve_model_path
+
+    files = settings_of(ModelConfig, section, override_config=dict(section.override_config),
+                        enable_gradient_checkpointing=False)
+    return model_spec(files, resolve_model_path(section.model_path), trainable_lora=False, key=key)
+
+
+def teacher_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RefSpec]:
+    """On-policy distillation's teacher (``worker.teacher``): its own model, the actor's forward
+    settings (the same packed rows as the reference's), the teacher section's FSDP and offload. Its
+    files are checked here: it reads the student's token ids, images and position ids as they are."""
+    teacher = cfg.worker.teacher
+    if not teacher.enable:
+        return None
+    key = "worker.teacher.model"
+    assert teacher.model.model_path, "validate() requires the teacher's path"
+    model = frozen_model_spec(teacher.model, key)
+    problem = teacher_problem(bundle, model.model_dir, model.hf_config, teacher.model.trust_remote_code)
+    if problem is not None:
+        raise ConfigError([Problem(f"{key}.model_path", f"{teacher.model.model_path} ({model.model_dir}): {problem}")])
+    forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens), router_replay="disabled")  # its own experts
+    return settings_of(RefSpec, teacher, model=model, forward=forward)
+
+
+# the image processor's settings that decide the pixel values and image tokens the teacher is given
+IMAGE_PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "rescale_factor",
+                        "do_rescale", "do_normalize")
+
+
+def teacher_problem(bundle: ModelBundle, teacher_dir: str, teacher_config: Any, trust_remote_code: bool) -> Optional[str]:
+    """Why a teacher cannot score the student's rows (None: it can): another family (position ids),
+    another tokenizer or vocabulary size, other image token ids, another image processor."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    student_config = bundle.policy.hf_config
+    same = "must share the student's"
+    if teacher_config.model_type != student_config.model_type:
+        return (f"is a {teacher_config.model_type} model and the student a {student_config.model_type} one; the teacher "
+                "reads the student's position ids (mRoPE) as they are, so it must be of the student's family")
+    try:
+        vocab = AutoTokenizer.from_pretrained(teacher_dir, trust_remote_code=trust_remote_code).get_vocab()
+    except (OSError, ValueError) as err:
+        return f"has no tokenizer that loads ({err}); the teacher {same} tokenizer"
+    if vocab != bundle.tokenizer.get_vocab():
+        return (f"has another tokenizer than the student ({bundle.tokenizer_path}): {len(vocab)} tokens against "
+                f"{len(bundle.tokenizer.get_vocab())}, or the same number with other ids; it scores the student's token "
+                f"ids as they are, so it {same} tokenizer")
+    if teacher_config.get_text_config().vocab_size != student_config.get_text_config().vocab_size:
+        return (f"has {teacher_config.get_text_config().vocab_size} output logits and the student "
+                f"{student_config.get_text_config().vocab_size}; the full KL compares the two distributions id by id")
+    for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
+        if getattr(teacher_config, name, None) != getattr(student_config, name, None):
+            return f"has {name}={getattr(teacher_config, name, None)}, the student {getattr(student_config, name, None)}"
+    if bundle.processor is not None:
+        try:
+            theirs = AutoProcessor.from_pretrained(teacher_dir, trust_remote_code=trust_remote_code).image_processor
+        except (OSError, ValueError) as err:
+            return f"has no image processor that loads ({err}); the teacher {same} image processor"
+        ours = bundle.processor.image_processor
+        differ = [f"{k}: {getattr(theirs, k, None)} vs {getattr(ours, k, None)}" for k in IMAGE_PROCESSOR_KEYS
+                  if getattr(theirs, k, None) != getattr(ours, k, None)]
+        if differ:
+            return (f"has another image processor than the student ({'; '.join(differ)}); it reads the student's pixel "
+                    "values as they are")
+    return None
 
 
 def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> CriticSpec:
@@ -168,7 +241,6 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
     policy's token ids (it scores the policy's prompt + response tokens as they are)."""
     from transformers import AutoTokenizer
 
-    from easyvlm.models.paths import resolve_model_path
     from easyvlm.models.reward_model import reward_model_problem
 
     rm = cfg.worker.reward_model
@@ -176,10 +248,7 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
         return None
     key = "worker.reward_model.model"
     assert rm.model.model_path, "validate() requires the reward model's path"
-    # model_path, trust_remote_code and attn_implementation are the reward model's keys
-    files = settings_of(ModelConfig, rm.model, override_config=dict(rm.model.override_config),
-                        enable_gradient_checkpointing=False)
-    model = model_spec(files, resolve_model_path(rm.model.model_path), trainable_lora=False, key=key)
+    model = frozen_model_spec(rm.model, key)
     problem = reward_model_problem(model.hf_config, f"{key}.model_path ({model.model_dir})")
     if problem is None:
         try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
-from easyvlm.algorithms.settings import EntropySettings, KLSettings, OnlineFilterSettings
+from easyvlm.algorithms.settings import DistillSettings, EntropySettings, KLSettings, OnlineFilterSettings
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class AdvantageSpec:
     reward_weights: tuple[float, ...] = ()
     """The weight of each of ``worker.reward.reward_functions``, in their order (empty for one
     ``reward_function``): GDPO's w_k."""
+    distill: DistillSettings = DistillSettings()
+    """On-policy distillation (``algorithm.distill_*``): the teacher pass, and with
+    ``distill_as_reward`` or ``distill_only`` the advantages it gives."""
 
 
 @dataclass(frozen=True)

@@ -18,24 +18,34 @@ def batch_stages(driver: DriverSpec, actor: ActorSpec, critic: Optional[CriticSp
     rc = adv.rollout_correction
     correction = parse_rollout_correction(rc)
     full_kl = adv.kl.kl_penalty == "full"
+    distill = adv.distill.distill_coef > 0
+    # the teacher's advantage needs the student's log-probs before the update
+    distill_advantage = distill and adv.distill.distill_as_reward
+    pure = distill and adv.distill.distill_only  # no advantage from the reward
     stages: list[str] = []
     if driver.rounds.baseline:  # ReMax
         stages.append("remax_baseline")
     if rc.bypass_mode:
         stages.append("sampler_logprobs")
-    elif correction.active or not update_is_on_policy(actor.update.optimizer_steps_per_step, adv.kl_in_reward):
+    elif correction.active or distill_advantage or not update_is_on_policy(actor.update.optimizer_steps_per_step,
+                                                                            adv.kl_in_reward):
         stages.append("old_logprobs")  # else the update's own forward pass, detached, gives them
     if adv.use_reference and not (full_kl and adv.kl_in_loss):  # the full KL loss reads the reference in the update
         stages.append("ref_logprobs")
+    if distill:
+        stages.append("teacher_logprobs")
     if critic is not None:
         stages.append("values")
     stages.append("rewards")
-    if adv.multi_objective_aggregation == "normalize_then_sum":
+    if adv.multi_objective_aggregation == "normalize_then_sum" and not pure:
         stages.append("multi_objective")
     stages.append("token_rewards")
     if adv.kl_in_reward:
         stages.append("kl_in_reward")
-    stages.append("advantages")
+    if not pure:
+        stages.append("advantages")
+    if distill_advantage or pure:
+        stages.append("distill_advantages")
     if critic is not None:
         stages.append("update_critic")
     if correction.active:

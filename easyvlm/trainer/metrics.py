@@ -97,7 +97,7 @@ def data_metrics(
 # EasyR1's token counts per timed section: generation and reward scale with the response tokens,
 # the forward/backward passes (and the advantage math) with every token, prompt included
 RESPONSE_TOKEN_SECTIONS = ("gen", "reward")
-TOTAL_TOKEN_SECTIONS = ("old", "ref", "values", "adv", "update_critic", "update_actor")
+TOTAL_TOKEN_SECTIONS = ("old", "ref", "teacher", "values", "adv", "update_critic", "update_actor")
 
 
 def timing_per_token_metrics(timings: Mapping[str, float], num_response_tokens: int, num_total_tokens: int) -> dict[str, float]:

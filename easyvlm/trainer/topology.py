@@ -53,7 +53,7 @@ class Workers:
         if plan.judge is not None:
             self.judge = Judge(plan.judge)
         engines = None if rounds.separate else plan.rollout  # colocated: each hybrid rank holds an engine
-        self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, engines), share=share)
+        self.hybrid = WorkerGroup("hybrid", resources, partial(HybridWorker, actor, plan.ref, engines, teacher=plan.teacher), share=share)
         if rounds.separate:  # the engines on their own devices: as many ranks as worker.rollout.num_devices
             rollout_resources = dataclasses.replace(resources, world_size=rounds.rollout_devices) \
                 if resources is not None else None

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss, loss_normalizer
+from easyvlm.algorithms.distill import distill_loss, distill_metrics
 from easyvlm.algorithms.kl import kl_loss
 from easyvlm.algorithms.masked import masked_mean
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
@@ -98,6 +99,8 @@ class ActorWorker:
         # the full KL (algorithm.kl_penalty=full) needs the reference's whole distribution on each
         # micro-batch: the hybrid worker, which holds the reference model too, sets this
         self.reference_distribution: Callable[[Batch], Tensor] | None = None
+        # likewise the teacher's, for on-policy distillation's full KL (algorithm.distill_full_kl)
+        self.teacher_distribution: Callable[[Batch], Tensor] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -141,7 +144,7 @@ class ActorWorker:
         values = []
         for chunk, is_dummy in equalize_micro_batches(micro_batches(batch, micro.micro_batch_size, token_budget(micro, batch)), self.device):
             out = policy_token_outputs(
-                self.model, chunk, self.setup, with_entropy=False, ref_log_distribution=reference_distribution(chunk)
+                self.model, chunk, self.setup, with_entropy=False, full_kl_to={"kl_full": reference_distribution(chunk)}
             )
             if not is_dummy:  # a dummy pass only keeps FSDP's collectives in step
                 values.append(out["kl_full"].cpu())
@@ -167,9 +170,11 @@ class ActorWorker:
         actor/rollout_mismatch/{k1,k3,ratio_mean,ratio_outside} against ``old_logprobs``
         (``easyvlm.algorithms.rollout_mismatch``).
         """
-        kl = self.spec.kl_loss
-        batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.kl_penalty != "full" else ()))
+        kl, distill = self.spec.kl_loss, self.spec.distill
+        batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.kl_penalty != "full" else ()),
+                      *(("teacher_logprobs",) if distill is not None else ()))
         assert kl is None or kl.kl_penalty != "full" or self.reference_distribution is not None, "full KL: no reference"
+        assert distill is None or not distill.distill_full_kl or self.teacher_distribution is not None, "no teacher"
 
         update = self.spec.update
         # an on-policy step has one mini-batch (per rank: this rank's whole share) and one epoch
@@ -177,17 +182,23 @@ class ActorWorker:
             "update_policy without old_logprobs is only valid for an on-policy update (update_is_on_policy)"
         )
         if entropy_coeff is None:
-            return self.trained.update(batch, self._micro_loss)
-        return self.trained.update(batch, lambda micro, n: self._micro_loss(micro, n, entropy_coeff=float(entropy_coeff)))
+            metrics = self.trained.update(batch, self._micro_loss)
+        else:
+            metrics = self.trained.update(batch, lambda micro, n: self._micro_loss(micro, n, entropy_coeff=float(entropy_coeff)))
+        # distillation's measurements are the run's, not the actor's (distill/reverse_kl, as when the
+        # driver computes them for distill_as_reward)
+        return {key.replace("actor/distill/", "distill/", 1): value for key, value in metrics.items()}
 
     def _micro_loss(self, micro: Batch, normalizer: float, entropy_coeff: float | None = None) -> MicroLoss:
         spec = self.spec
         mode = spec.update.loss_avg_mode
         mask = micro["response_mask"].to(self.device).bool()
         full_kl = spec.kl_loss is not None and spec.kl_loss.kl_penalty == "full"
+        distill_full_kl = spec.distill is not None and spec.distill.distill_full_kl
         outputs = policy_token_outputs(
             self.model, micro, self.setup, with_entropy=True,
-            ref_log_distribution=self.reference_distribution(micro) if full_kl else None,
+            full_kl_to={**({"kl_full": self.reference_distribution(micro)} if full_kl else {}),
+                        **({"distill_kl_full": self.teacher_distribution(micro)} if distill_full_kl else {})},
         )
         logprobs, entropy = outputs["logprobs"], outputs["entropies"]
         # on-policy without old_logprobs: this pass runs with the sampling weights (see update_policy)
@@ -199,13 +210,21 @@ class ActorWorker:
         sampler_logprobs = micro["rollout_logprobs"].to(self.device) if "rollout_logprobs" in micro else old_logprobs
         gate = token_gate(spec.policy_loss, entropy, logprobs, sampler_logprobs, advantages, mask)
         tensors = PolicyLossTensors(logprobs, old_logprobs, advantages, mask, weights, gate)
-        pg_loss, pg_metrics = policy_loss(spec.policy_loss, tensors, normalizer)
-        loss = pg_loss
+        if spec.policy_gradient:
+            pg_loss, pg_metrics = policy_loss(spec.policy_loss, tensors, normalizer)
+            loss, sums = pg_loss, {"pg_loss": pg_loss.item()}
+        else:  # pure distillation as a loss: no policy term (algorithm.distill_only)
+            loss, sums, pg_metrics = logprobs.new_zeros(()), {}, {}
         coeff = spec.entropy.entropy_coeff if entropy_coeff is None else entropy_coeff  # the driver's, when adaptive
         entropy_loss = aggregate_loss(entropy if coeff else entropy.detach(), mask, mode, normalizer)
         if coeff:
             loss = loss - coeff * entropy_loss
-        sums = {"pg_loss": pg_loss.item(), "entropy_loss": entropy_loss.item()}
+        sums["entropy_loss"] = entropy_loss.item()
+        distill_means = {}
+        if spec.distill is not None:
+            distill, distill_means = self._distill_loss(micro, outputs, mask, normalizer)
+            loss = loss + spec.distill.distill_coef * distill
+            sums["distill_loss"] = distill.item()
         if spec.kl_loss is not None:
             if full_kl:  # KL(pi || pi_ref) over the vocabulary, per token
                 kl = aggregate_loss(outputs["kl_full"], mask, mode, normalizer)
@@ -216,6 +235,7 @@ class ActorWorker:
             sums["kl_loss"] = kl.item()
         # the exact entropy above replaces the loss's one-sample estimate
         means = {k: float(v) for k, v in pg_metrics.items() if k != "entropy_loss"}
+        means.update(distill_means)
         if entropy_coeff is not None:  # the adaptive controller's measurement: token-mean entropy
             means["entropy"] = float(masked_mean(entropy.detach(), mask))
         if gate is not None:  # the share of valid tokens that carry the policy gradient
@@ -232,6 +252,21 @@ class ActorWorker:
                 loss = loss + spec.router_aux_loss_coef * aux * share
                 means["moe/aux_loss"] = float(aux.detach())
         return MicroLoss(loss=loss, tokens=float(mask.sum()), sums=sums, token_means=means)
+
+    def _distill_loss(self, micro: Batch, outputs: dict[str, Tensor], mask: Tensor,
+                      normalizer: float) -> tuple[Tensor, dict[str, float]]:
+        """On-policy distillation's loss term on a micro-batch (``easyvlm.algorithms.distill``), unscaled:
+        the exact reverse KL to the teacher with ``distill_full_kl``, else the one-sample surrogate;
+        and its token means ``distill/reverse_kl`` and ``distill/teacher_logprob``."""
+        mode = self.spec.update.loss_avg_mode
+        teacher = micro["teacher_logprobs"].to(self.device)
+        if self.spec.distill.distill_full_kl:
+            per_token = outputs["distill_kl_full"]
+            loss = aggregate_loss(per_token, mask, mode, normalizer)
+        else:
+            per_token = outputs["logprobs"] - teacher  # the one-sample estimate, for the metric
+            loss = distill_loss(outputs["logprobs"], teacher, mask, mode, normalizer)
+        return loss, {f"distill/{k}": v for k, v in distill_metrics(per_token, teacher, mask).items()}
 
     # ------------------------------------------------------------------ weights
     def state_dict_for_sync(self) -> dict[str, Tensor]:

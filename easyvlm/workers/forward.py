@@ -418,16 +418,17 @@ def policy_token_outputs(
     setup: ForwardSetup,
     *,
     with_entropy: bool,
-    ref_log_distribution: Tensor | None = None,
+    full_kl_to: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
     """Per-token outputs of the policy's sampling distribution softmax(logits / temperature) over
     the ids the rollout may sample, (B, T) each, 0 at padding, differentiable:
 
     - ``logprobs``: log-probs of ``responses``;
     - ``entropies`` (``with_entropy``): the distributions' entropies;
-    - ``kl_full`` (``ref_log_distribution`` given: the reference's (K, V) log-distribution at the same
-      K valid positions, :func:`policy_log_distribution`): KL(pi || pi_ref) summed over the vocabulary
-      (``algorithm.kl_penalty=full``).
+    - for each ``name: log_distribution`` of ``full_kl_to`` (another model's (K, V) log-distribution
+      at the same K valid positions, :func:`policy_log_distribution`): ``name``, KL(pi || that model)
+      summed over the vocabulary (``kl_full``: the reference's, ``algorithm.kl_penalty=full``;
+      ``distill_kl_full``: the teacher's, ``algorithm.distill_full_kl``).
 
     Under Ulysses these per-token values, not the logits, cross ranks (:func:`response_outputs`)."""
     from easyvlm.algorithms.kl import kl_full
@@ -438,16 +439,18 @@ def policy_token_outputs(
     blocked = torch.as_tensor(setup.blocked_token_ids, dtype=torch.long, device=device)
     kernel = token_kernel(setup.use_torch_compile)
 
-    def per_token(logits: Tensor, rows: Tensor) -> Tensor:  # (k, V), (k,) -> (k, 1 | 2 | 3)
+    targets = full_kl_to or {}
+
+    def per_token(logits: Tensor, rows: Tensor) -> Tensor:  # (k, V), (k,) -> (k, 1 + entropy + KLs)
         out = kernel(logits, labels[rows], temperature, blocked, with_entropy)
-        if ref_log_distribution is None:
+        if not targets:
             return out
         log_dist = torch.log_softmax(sampling_logits(logits, temperature, setup.blocked_token_ids), dim=-1)
-        kl = kl_full(log_dist[None], ref_log_distribution[rows].to(log_dist.device)[None])[0]
-        return torch.cat([out, kl.unsqueeze(-1)], dim=-1)
+        kls = [kl_full(log_dist[None], target[rows].to(log_dist.device)[None])[0] for target in targets.values()]
+        return torch.cat([out, torch.stack(kls, dim=-1)], dim=-1)
 
-    out, valid = outputs_with_vision(model, batch, setup, per_token=per_token)  # (K, 1 | 2 | 3)
-    names = ["logprobs", *(["entropies"] if with_entropy else []), *(["kl_full"] if ref_log_distribution is not None else [])]
+    out, valid = outputs_with_vision(model, batch, setup, per_token=per_token)  # (K, columns)
+    names = ["logprobs", *(["entropies"] if with_entropy else []), *targets]
     return {name: scatter_response(out[:, i], valid) for i, name in enumerate(names)}
 
 

@@ -1,4 +1,5 @@
-"""The hybrid engine: actor, rollout engine and reference model share one process per device.
+"""The hybrid engine: actor, rollout engine and reference model (and a distillation teacher) share one
+process per device.
 
 One Ray actor per device holds all three (composition, not a class per role combination), each built
 from its slice of the run plan. Before every generation the actor's current weights are loaded into
@@ -27,13 +28,18 @@ class HybridWorker:
     """rollout: None when the engines live in their own group (``worker.rollout.placement=separate``,
     `RolloutHost`); then the driver sends them ``weights_for_sync()`` after each update."""
 
-    def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: Optional[RolloutSpec]):
+    def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: Optional[RolloutSpec],
+                 teacher: Optional[RefSpec] = None):
         self.rank, self.world_size = init_distributed()
         ulysses = new_ulysses_group(actor.forward.ulysses_size)  # the reference model follows the actor's
         self.actor = ActorWorker(actor, rank=self.rank, world_size=self.world_size, ulysses=ulysses)
         self.ref = RefWorker(ref, rank=self.rank, world_size=self.world_size, ulysses=ulysses) if ref is not None else None
         if self.ref is not None:
             self.actor.reference_distribution = self.ref.log_distribution  # the full KL's, in-process
+        self.teacher = RefWorker(teacher, rank=self.rank, world_size=self.world_size, ulysses=ulysses,
+                                 output="teacher_logprobs", section="worker.teacher") if teacher is not None else None
+        if self.teacher is not None:
+            self.actor.teacher_distribution = self.teacher.log_distribution  # distill_full_kl's, in-process
         self.rollout = build_rollout(rollout) if rollout is not None else None
         self._engine_version = -1  # the policy version whose weights the engine holds (the driver's numbering)
 
@@ -49,8 +55,9 @@ class HybridWorker:
             self.rollout.update_weights(self.actor.iter_weights_for_sync(self.rollout.weight_sync_device))
             self._engine_version = version
         self.actor.offload()  # idle until the next log-prob pass (GPU memory for the KV cache)
-        if self.ref is not None:
-            self.ref.offload()
+        for frozen in (self.ref, self.teacher):
+            if frozen is not None:
+                frozen.offload()
         self.rollout.wake_up(["kv_cache"])
         out = self.rollout.generate(batch, sampling)
         self.rollout.sleep()
@@ -74,6 +81,11 @@ class HybridWorker:
         if full_kl:
             out["ref_kl"] = self.actor.full_kl(batch, self.ref.log_distribution)
         return out
+
+    def compute_teacher_logprobs(self, batch: Batch) -> Batch:
+        """``teacher_logprobs`` (B, T): on-policy distillation's teacher on the student's samples."""
+        assert self.teacher is not None, "compute_teacher_logprobs: the plan has no teacher (worker.teacher)"
+        return self.teacher.compute_ref_logprobs(batch)
 
     def update_actor(self, batch: Batch, entropy_coeff: float | None = None) -> dict[str, float]:
         """``entropy_coeff``: the driver's adaptive entropy coefficient for this update (None: the spec's)."""

@@ -3,6 +3,8 @@
 Built from the run plan's `RefSpec`: the actor's model without LoRA adapters (with LoRA the base
 weights are the initial policy), the actor's forward settings (micro-batch size, dynamic batching,
 padding-free, shared prompts), and ``worker.ref``'s FSDP and offload settings (EasyR1's layout).
+On-policy distillation's teacher is the same kind of worker with another model
+(``worker.teacher``; ``output="teacher_logprobs"``).
 """
 
 from __future__ import annotations
@@ -33,15 +35,19 @@ class RefWorker:
         world_size: int,
         device: torch.device | None = None,
         ulysses: UlyssesGroup | None = None,
+        output: str = "ref_logprobs",
+        section: str = "worker.ref",
     ):
+        """output: the key of the log-probs it returns; section: its config section (error messages)."""
         check_worker_group(rank, world_size)
+        self.output = output
         self.ulysses = ulysses if ulysses is not None else new_ulysses_group(spec.forward.ulysses_size)
         self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
-            padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key="worker.ref.fsdp",
+            padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key=f"{section}.fsdp",
         )
         # MoE: the routers' state (R3 replays the sampler's experts here too; workers/routing.py)
         self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses,
@@ -49,7 +55,7 @@ class RefWorker:
         self._offloaded = False
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        """``ref_logprobs`` (B, T) of ``responses`` under the reference policy (0 at padding).
+        """``ref_logprobs`` (B, T) of ``responses`` under this model (0 at padding; the key is ``output``).
 
         Same inputs as ``ActorWorker.compute_logprobs``; returns a new Batch with only that key.
         """
@@ -62,7 +68,7 @@ class RefWorker:
             self.model, batch, self.setup, micro_batch_size=micro.micro_batch_size, budget=token_budget(micro, batch),
             with_entropy=False,
         )
-        return Batch({"ref_logprobs": logprobs})
+        return Batch({self.output: logprobs})
 
     @torch.no_grad()
     def log_distribution(self, batch: Batch) -> Tensor:
@@ -75,7 +81,7 @@ class RefWorker:
         return policy_log_distribution(self.model, batch, self.setup)
 
     def offload(self) -> None:
-        """Move the weights to host memory if ``worker.ref.offload.offload_params`` (no-op on the CPU)."""
+        """Move the weights to host memory if ``<section>.offload.offload_params`` (no-op on the CPU)."""
         if self.spec.offload.offload_params:
             offload_model(self.model)
             self._offloaded = True

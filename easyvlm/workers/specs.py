@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from easyvlm.algorithms.settings import EntropySettings, KLSettings, PolicyLossSettings
+from easyvlm.algorithms.settings import DistillSettings, EntropySettings, KLSettings, PolicyLossSettings
 from easyvlm.models.specs import ModelBundle, ModelSpec
 from easyvlm.workers.settings import FSDPConfig, OffloadConfig, OptimConfig
 
@@ -101,10 +101,19 @@ class ActorSpec:
     router_aux_loss_coef: float = 0.0
     """MoE policies: the weight of the router's load-balancing loss (resolved: the model's own when
     not configured; 0 = off and for dense models)."""
+    distill: Optional[DistillSettings] = None
+    """On-policy distillation as a term of the loss (``algorithm.distill_coef`` > 0, not
+    ``distill_as_reward``): reads ``teacher_logprobs``, or with ``distill_full_kl`` the teacher's
+    whole distribution, which the hybrid worker computes beside the actor. None = not in the loss."""
+    policy_gradient: bool = True
+    """False for pure distillation as a loss (``algorithm.distill_only``): the loss has no policy term."""
 
 
 @dataclass(frozen=True)
 class RefSpec:
+    """A frozen model that gives log-probs of the policy's samples: the reference model, or the
+    teacher of on-policy distillation (``worker.teacher``)."""
+
     model: ModelSpec
     fsdp: FSDPConfig
     offload: OffloadConfig

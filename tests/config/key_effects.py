@@ -68,6 +68,12 @@ RM_PLAN = f"{RM_WORKER}::test_keys_reach_the_reward_model_spec"
 RM_EQUAL = f"{RM_WORKER}::test_worker_scores_equal_transformers_forward"
 RM_CHECKS = f"{RM_WORKER}::test_reward_model_keys_are_checked"
 RM_E2E = "tests/trainer/test_e2e_reward_model.py::TestRewardModelRuns::test_trains_on_the_reward_model_score"
+DISTILL = "tests/workers/test_distill_actor.py"
+TEACHER_PLAN = f"{DISTILL}::test_teacher_keys_reach_the_teacher_spec"
+DISTILL_TERM = f"{DISTILL}::test_the_distillation_term_is_the_reverse_kl_to_the_teacher"
+DISTILL_CHECKS = "tests/config/test_validate_distill.py"
+DISTILL_STAGE = "tests/trainer/test_distill_advantages_stage.py"
+STAGES_LISTED = "tests/plan/test_plan_stages.py::test_the_plan_lists_the_recipes_stages_in_order"
 JUDGE = "tests/trainer/test_e2e_judge.py"
 JUDGE_PLAN = f"{JUDGE}::test_judge_keys_reach_the_spec"
 JUDGE_CHECKS = f"{JUDGE}::test_judge_keys_are_checked"
@@ -115,6 +121,11 @@ def fixed(key: str) -> tuple[str, Entry]:
 
 def gap(key: str, why: str, *context: str) -> tuple[str, Entry]:
     return key, Gap(why, context)
+
+
+# a valid distillation run, for the refusal checks of the teacher's keys
+TEACHER_CONTEXT = ("algorithm.distill_coef=1.0", "worker.teacher.enable=true",
+                   "worker.teacher.model.model_path=builtin:tiny-qwen2.5-vl")
 
 
 def _fsdp(role: str, plan: str = "") -> list[tuple[str, Entry]]:
@@ -295,6 +306,14 @@ ENTRIES: list[tuple[str, Entry]] = [
             "tests/algorithms/test_multi_objective.py::test_gdpo_scores_hand_values_and_batch_normalisation",
             via=("normalize_then_sum", "gdpo_scores")),
     # verl's rollout correction: the loop makes weights and masks (test_loop), the losses apply them
+    # on-policy distillation (issue 48): the loss term against two transformers models, the stages
+    effects("algorithm.distill_coef", DISTILL_TERM, f"{DISTILL_STAGE}::test_the_teachers_advantage_is_added_to_the_estimators",
+            f"{DISTILL_CHECKS}::test_a_coefficient_without_a_teacher_and_a_teacher_without_a_coefficient"),
+    effects("algorithm.distill_full_kl", DISTILL_TERM, STAGES_LISTED),
+    effects("algorithm.distill_as_reward", f"{DISTILL_STAGE}::test_the_teachers_advantage_is_added_to_the_estimators",
+            STAGES_LISTED),
+    effects("algorithm.distill_only", f"{DISTILL}::test_pure_distillation_takes_no_gradient_from_the_advantages",
+            f"{DISTILL_STAGE}::test_pure_distillation_as_reward_is_the_teachers_advantage_alone", STAGES_LISTED),
     effects("algorithm.rollout_correction.rollout_is", CORRECTION_LOOP, f"{CORRECTION}::test_token_tis_truncates_at_the_threshold",
             f"{CORRECTION}::test_sequence_is_is_the_product_over_the_sequence_and_batch_normalizes_over_sequences"),
     effects("algorithm.rollout_correction.rollout_is_threshold", CORRECTION_LOOP,
@@ -352,6 +371,18 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.ref.offload.offload_params", PLAN,
             "tests/workers/test_ref_critic.py::test_ref_offload_params_moves_the_weights_while_idle"),
     refused("worker.ref.offload.offload_optimizer"),  # the reference model has no optimizer
+    # the distillation teacher (issue 48): a RefWorker on its own model; TEACHER_PLAN shows each key
+    # reaching its RefSpec, the worker tests what the spec does against transformers' forward
+    effects("worker.teacher.enable", TEACHER_PLAN, f"{DISTILL_CHECKS}::test_a_coefficient_without_a_teacher_and_a_teacher_without_a_coefficient"),
+    effects("worker.teacher.model.model_path", TEACHER_PLAN, f"{DISTILL}::test_the_teachers_log_probs_are_its_models_forward",
+            f"{DISTILL_CHECKS}::test_a_teacher_with_another_tokenizer_is_refused"),
+    effects("worker.teacher.model.override_config", TEACHER_PLAN),
+    effects("worker.teacher.model.trust_remote_code", TEACHER_PLAN),
+    effects("worker.teacher.model.attn_implementation", TEACHER_PLAN),
+    *_fsdp("teacher", plan=TEACHER_PLAN),
+    effects("worker.teacher.offload.offload_params", TEACHER_PLAN,
+            "tests/workers/test_ref_critic.py::test_ref_offload_params_moves_the_weights_while_idle"),
+    refused("worker.teacher.offload.offload_optimizer", *TEACHER_CONTEXT),  # the teacher has no optimizer
     # reward
     effects("worker.reward.reward_type", PLAN, "tests/rewards/test_reward_loader.py::test_defaults_without_constants_and_config_override"),
     effects("worker.reward.reward_function", f"{REWARDS}::test_settings_from_the_real_config"),

@@ -16,6 +16,9 @@ from plan_testing import plan_for
 REWARDS = Path(__file__).resolve().parents[2] / "reward_functions"
 ONE_UPDATE = "worker.actor.global_batch_size=24"  # all 24 prompts in one mini-batch, one epoch: on-policy
 TAIL = ("rewards", "token_rewards", "advantages", "update_actor")
+# on-policy distillation with the student's own starting model as the teacher (same tokenizer)
+TEACHER = ("algorithm.disable_kl=true", "algorithm.distill_coef=1.0", "worker.teacher.enable=true",
+           "worker.teacher.model.model_path=builtin:tiny-qwen2.5-vl")
 CASES = {
     # off-policy updates and the KL in the reward: old and reference log-probs, the KL stage
     "base": ((), ("old_logprobs", "ref_logprobs", "rewards", "token_rewards", "kl_in_reward", "advantages", "update_actor")),
@@ -43,6 +46,20 @@ CASES = {
               f"worker.reward.reward_functions=[{{reward_function: {REWARDS}/synthetic.py:compute_score, weight: 1}}, "
               f"{{reward_function: {REWARDS}/math.py:compute_score, weight: 0.5}}]"),
              ("rewards", "multi_objective", "token_rewards", "advantages", "update_actor")),
+    # distillation as a loss term: the teacher's pass, read by the update (on-policy: no old log-probs)
+    "distill_loss": ((ONE_UPDATE, *TEACHER), ("teacher_logprobs", *TAIL)),
+    # the full reverse KL still runs the pass: distill/teacher_logprob is of the sampled tokens
+    "distill_full_kl": ((ONE_UPDATE, *TEACHER, "algorithm.distill_full_kl=true"), ("teacher_logprobs", *TAIL)),
+    # the teacher's advantage needs the student's log-probs before the update, even on-policy
+    "distill_as_reward": ((ONE_UPDATE, *TEACHER, "algorithm.distill_as_reward=true"),
+                          ("old_logprobs", "teacher_logprobs", "rewards", "token_rewards", "advantages",
+                           "distill_advantages", "update_actor")),
+    # pure distillation: the rewards are scored (metrics, validation), no estimator runs
+    "distill_only": ((ONE_UPDATE, *TEACHER, "algorithm.distill_only=true"),
+                     ("teacher_logprobs", "rewards", "token_rewards", "distill_advantages", "update_actor")),
+    "distill_only_as_reward": ((ONE_UPDATE, *TEACHER, "algorithm.distill_only=true", "algorithm.distill_as_reward=true"),
+                               ("old_logprobs", "teacher_logprobs", "rewards", "token_rewards", "distill_advantages",
+                                "update_actor")),
 }
 
 

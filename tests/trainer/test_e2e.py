@@ -46,6 +46,14 @@ def assert_finite(row: dict, keys) -> None:
 # build) everywhere but GRPO, which also runs validation (at its last step) on vLLM with the
 # built-in reward; the others use the hash reward, so their advantages are not all 0.
 RUNS = {
+    # on-policy distillation, the teacher's log-prob advantage alone (issue 48); the teacher is the
+    # student's own starting model, so the first step's reverse KL is exactly 0
+    "distill_as_reward": (
+        ["worker.teacher.enable=true", "worker.teacher.model.model_path=builtin:tiny-qwen2.5-vl",
+         "algorithm.distill_coef=1.0", "algorithm.distill_as_reward=true", "algorithm.distill_only=true",
+         "algorithm.disable_kl=true", "worker.rollout.name=hf"],
+        ["distill/reverse_kl", "distill/teacher_logprob", "timing_s/teacher"],
+    ),
     "grpo_vllm": (
         ["worker.rollout.name=vllm", "trainer.val_freq=2"],
         ["actor/kl_loss"],
@@ -150,7 +158,7 @@ NEW_FAMILIES = {"qwen3_5", "qwen3_5_moe_r3", "qwen3_vl_moe_vllm"}
 # Runs that compute old log-probs (timing_s/old is logged): the update is not on-policy (the KL in
 # the reward reads old_logprobs), or the rollout correction needs them; the others take one optimizer
 # step per step with the KL as a loss or off, so the pass is skipped.
-OFF_POLICY = {"reinforce_plus_plus", "full_kl_reward", "rloo"}
+OFF_POLICY = {"reinforce_plus_plus", "full_kl_reward", "rloo", "distill_as_reward"}
 
 
 @pytest.mark.slow
@@ -201,6 +209,9 @@ class TestEstimators:
                 assert -1e-6 < row["actor/rollout_mismatch/k3"] < 1e-3, row["actor/rollout_mismatch/k3"]
         if name == "dapo":
             assert all(row["online_filtering/rounds"] >= 1.0 for row in rows)
+        if name == "distill_as_reward":  # the teacher is the student's start: equal log-probs at step 1
+            assert rows[0]["distill/reverse_kl"] == 0.0 and rows[1]["distill/reverse_kl"] != 0.0
+            assert rows[0]["distill/teacher_logprob"] < 0
         if name == "full_kl_loss":
             assert all("timing_s/ref" not in row for row in rows)
         if name == "mini_rounds":

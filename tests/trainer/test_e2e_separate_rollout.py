@@ -63,9 +63,11 @@ class TestSeparateRollout:
             assert 0 <= row["rollout/staleness_max"] <= 2 and 0 <= row["rollout/partial_fraction"] <= 1
         assert rows[0]["rollout/staleness_max"] == 0.0  # step 1 trains at version 0: nothing can be older
 
-    @pytest.mark.parametrize("partial", [False, True])
-    def test_a_killed_engine_is_restarted_and_every_prompt_is_trained_once(self, e2e_base_args, tmp_path, monkeypatch,
-                                                                          partial):
+    def test_a_killed_engine_is_restarted_and_every_prompt_is_trained_once(self, e2e_base_args, tmp_path, monkeypatch):
+        # the streamed (partial rollout) path, whose recovery resubmits the lost groups; the whole-batch
+        # path's retry is checked in process (tests/trainer/test_rollout_service.py, with a fake engine
+        # that dies), which keeps this ~1 min real-process run to one variant in CI
+        partial = True
         import os
         import signal
         import threading

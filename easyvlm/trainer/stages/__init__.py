@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from easyvlm.trainer.stages.advantages import Advantages, kl_in_reward, multi_objective, token_rewards
-from easyvlm.trainer.stages.experience import old_logprobs, ref_logprobs, remax_baseline, sampler_logprobs, values
+from easyvlm.trainer.stages.advantages import Advantages, distill_advantages, kl_in_reward, multi_objective, token_rewards
+from easyvlm.trainer.stages.experience import (
+    old_logprobs, ref_logprobs, remax_baseline, sampler_logprobs, teacher_logprobs, values,
+)
 from easyvlm.trainer.stages.rewards import rewards
 from easyvlm.trainer.stages.state import Stage, StepState
 from easyvlm.trainer.stages.update import rollout_correction, update_actor, update_critic
@@ -24,12 +26,14 @@ STAGES: dict[str, Callable[[Any], Stage]] = {
     "sampler_logprobs": sampler_logprobs,
     "old_logprobs": old_logprobs,
     "ref_logprobs": ref_logprobs,
+    "teacher_logprobs": teacher_logprobs,
     "values": values,
     "rewards": rewards,
     "multi_objective": multi_objective,
     "token_rewards": token_rewards,
     "kl_in_reward": kl_in_reward,
     "advantages": Advantages,
+    "distill_advantages": distill_advantages,
     "update_critic": update_critic,
     "rollout_correction": rollout_correction,
     "update_actor": update_actor,

@@ -1,6 +1,6 @@
 """From rewards to advantages (pure functions of ``easyvlm.algorithms``, timed as ``adv``):
-GDPO's multi-objective score, rewards on the last token, the KL penalty in the reward, and the
-advantage estimator."""
+GDPO's multi-objective score, rewards on the last token, the KL penalty in the reward, the
+advantage estimator, and on-policy distillation's advantage from the teacher."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage, kl_penalty
+from easyvlm.algorithms.distill import distill_advantages as teacher_advantages, distill_metrics
 from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
@@ -81,3 +82,28 @@ class Advantages:
                 norm_by_std=adv.norm_by_std,
             ))
             batch["token_rewards"], batch["advantages"], batch["returns"] = state.token_rewards, out.advantages, out.returns
+
+
+def distill_advantages(trainer: Any) -> Stage:
+    """On-policy distillation's advantages. ``distill_as_reward``: the teacher's log-prob advantage
+    distill_coef * (log pi_T - log pi_old) per token, added to the estimator's (``distill/reverse_kl``
+    and ``distill/teacher_logprob`` of the step's samples). ``distill_only``: that alone is the
+    advantage, or, with the distillation as a loss term, none (0: the actor's loss has no policy term)."""
+    settings = trainer.spec.advantage.distill
+
+    def run(state: StepState) -> None:
+        with timed("adv", state.metrics):
+            batch = state.batch
+            mask = batch["response_mask"].bool()
+            if settings.distill_as_reward:
+                teacher, student = batch["teacher_logprobs"], batch["old_logprobs"]
+                advantages = teacher_advantages(teacher, student, mask, settings.distill_coef)
+                state.metrics.update({f"distill/{k}": v for k, v in distill_metrics(student - teacher, teacher, mask).items()})
+            else:
+                advantages = torch.zeros(mask.shape, dtype=torch.float32)
+            if settings.distill_only:  # no estimator ran: the teacher's advantage is the whole of it
+                batch["token_rewards"], batch["advantages"], batch["returns"] = state.token_rewards, advantages, advantages
+            else:
+                batch["advantages"] = batch["advantages"] + advantages
+
+    return run

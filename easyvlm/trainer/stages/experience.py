@@ -1,5 +1,6 @@
 """Stages that add the experience the update needs to the rollout batch: the ReMax baseline, the
-old log-probs (or the sampler's in their place), the reference's log-probs and the critic's values.
+old log-probs (or the sampler's in their place), the reference's and the teacher's log-probs and the
+critic's values.
 Each is one worker pass (the reward actor scores meanwhile)."""
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def ref_logprobs(trainer: Any) -> Stage:
         with timed("ref", state.metrics):
             out = trainer.workers.hybrid.dispatch("compute_ref_logprobs", model_inputs(state.batch), trainer.actor_sp,
                                                   full_kl=full_kl)
+            state.batch = state.batch.union(out)
+
+    return run
+
+
+def teacher_logprobs(trainer: Any) -> Stage:
+    """On-policy distillation: the teacher's log-probs of the student's sampled tokens
+    (``teacher_logprobs``), in the same packed rows as the reference pass (``timing_s/teacher``)."""
+
+    def run(state: StepState) -> None:
+        with timed("teacher", state.metrics):
+            out = trainer.workers.hybrid.dispatch("compute_teacher_logprobs", model_inputs(state.batch), trainer.actor_sp)
             state.batch = state.batch.union(out)
 
     return run
