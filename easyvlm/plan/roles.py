@@ -12,7 +12,7 @@ from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
-from easyvlm.models.specs import ModelBundle, TokenIds
+from easyvlm.models.specs import ModelBundle, ModelSpec, TokenIds
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling
 from easyvlm.workers.specs import (
@@ -104,7 +104,7 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
     return settings_of(RefSpec, ref, model=model, forward=forward)
 
 
-def frozen_model_spec(section: Any, key: str) -> Any:
+def frozen_model_spec(section: Any, key: str) -> ModelSpec:
     """The `ModelSpec` of a frozen model with a model section of its own (the reward model's, the
     teacher's): its model_path, override_config, trust_remote_code and attn_implementation keys;
     no adapters, no gradient checkpointing."""
