@@ -117,6 +117,8 @@ def shapes() -> dict[str, Shape]:
             num_key_value_heads=4, head_dim=128, mrope_section=(24, 20, 20), family="qwen3_vl_moe", num_experts=128,
             num_experts_per_tok=8, moe_intermediate_size=768)),
         "tiny": Shape(BUILTIN_MODELS["tiny-qwen2.5-vl"]),
+        # the CPU benchmarks' ~40 M model (bench/vs_trl.py): with --cpu
+        "bench": Shape(BUILTIN_MODELS["bench-qwen2.5-vl"]),
     }
 
 
@@ -280,7 +282,7 @@ def plan_args(args: argparse.Namespace, model_dir: Path, prompts: Path, work_dir
         f"trainer.save_checkpoint_path={work_dir / 'checkpoints'}", "trainer.n_gpus_per_node=1", "trainer.logger=[console]",
         f"data.min_pixels={min(3136, image_pixels)}", "trainer.val_before_train=false", "trainer.val_freq=-1",
     ]
-    if args.tiny:  # one micro-batch of every sample, as the demo's 32 x 8
+    if args.cpu:  # one micro-batch of every sample, as the demo's 32 x 8
         samples = args.prompts * args.n
         return example_args(*common, f"data.max_pixels={max(50176, image_pixels)}", "trainer.device=cpu",
                             f"worker.actor.micro_batch_size_per_device_for_update={samples}",
@@ -298,6 +300,7 @@ class Clock:
         self.cuda = cuda
         self.seconds: dict[str, float] = {}
         self.memory: dict[str, tuple[int, int] | None] = {}
+        self.current = ""  # the phase running now
 
     def sync(self) -> None:
         if self.cuda:
@@ -320,6 +323,7 @@ class Clock:
             # each phase's start and end on stdout as they happen: a run stopped by a time limit
             # (a device call's) still tells which phase it was in and what the finished ones cost
             print(f"  {name} ...", flush=True)
+            self.current = name
             start = time.perf_counter()
             yield
             self.sync()
@@ -331,6 +335,27 @@ class Clock:
             print(f"  {name} {seconds:.2f} s{peak}", flush=True)
 
         return timing()
+
+    def watch_tower(self, model: Any) -> None:
+        """Add the seconds of each forward of ``model``'s vision tower to ``vision_tower:<phase>`` (the
+        tower's share of a phase; its calls are synchronized on GPUs, which costs a little)."""
+        from easyvlm.models.loading import get_vision_tower
+
+        tower, started = get_vision_tower(model), []
+        if tower is None:
+            return
+
+        def before(*_):
+            self.sync()
+            started.append(time.perf_counter())
+
+        def after(*_):
+            self.sync()
+            name = f"vision_tower:{self.current}"
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started.pop()
+
+        tower.register_forward_pre_hook(before)
+        tower.register_forward_hook(after)
 
     def timed(self, name: str, fn: Callable) -> Callable:
         """``fn``, its time added to ``name`` (inside another phase: subtract it there)."""
@@ -440,6 +465,9 @@ def summarize(steps: list[tuple[dict, dict, dict]], params: Any, plan: Any, peak
             out[f"{name}_mfu_per_sample"] = mfu(model_flops(params, work, passes, False), seconds[phase], peak_flops)
         else:
             out[f"{name}_mfu"] = out[f"{name}_mfu_per_sample"] = None
+    # the vision tower's seconds within each phase (absent: it did not run there)
+    out["vision_tower_s"] = {p: float(statistics.fmean(s.get(f"vision_tower:{p}", 0.0) for s, _, _ in steps))
+                             for p in PHASES if any(f"vision_tower:{p}" in s for s, _, _ in steps)}
     memory = {p: m[p] for _, m, _ in steps for p in m if m[p] is not None}
     out["phase_peak_gpu_memory_gib"] = {p: round(a / GiB, 3) for p, (a, _) in memory.items()} or None
     out["peak_gpu_memory_gib"] = max(a for a, _ in memory.values()) / GiB if memory else None
@@ -486,6 +514,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The model and batch arguments (this script's and bench/hf_generate.py's)."""
     parser.add_argument("--tiny", action="store_true", help="the builtin tiny model's shapes on the CPU in fp32")
+    parser.add_argument("--cpu", action="store_true", help="--shape's model on the CPU in fp32, the demo's config")
     parser.add_argument("--shape", choices=[s for s in shapes() if s != "tiny"], default="qwen2.5-vl-3b")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (16; --tiny 2)")
     parser.add_argument("--n", type=int, default=None, help="samples per prompt (8; --tiny 2)")
@@ -496,19 +525,19 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 def with_workload_defaults(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` with the batch's unset sizes filled (the GPU's or, with --tiny, the CPU's)."""
-    defaults = (2, 2, 8, 56, 16) if args.tiny else (16, 8, 256, 448, 64)
+    if args.tiny:
+        args.shape, args.cpu = "tiny", True
+    defaults = (2, 2, 8, 56, 16) if args.cpu else (16, 8, 256, 448, 64)
     for name, value in zip(("prompts", "n", "response_length", "image_size", "question_tokens"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.tiny:
-        args.shape = "tiny"
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if args.tiny:  # the CPU, also where a GPU is visible (torch reads this when CUDA first initialises)
+    if args.cpu:  # the CPU, also where a GPU is visible (torch reads this when CUDA first initialises)
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     from bench_support import bench_plan, model_params
@@ -516,9 +545,9 @@ def main(argv: list[str] | None = None) -> dict:
     from easyvlm.plan.checks import _installed
     from easyvlm.plan.dataloaders import plan_dataloaders
 
-    cuda = not args.tiny
+    cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here: run with --tiny for the CPU")
+        raise SystemExit("no CUDA device here: run with --cpu (or --tiny) for the CPU")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     own_dir = args.work_dir is None
     work_dir = Path(args.work_dir or tempfile.mkdtemp(prefix="easyvlm-gpu-step-"))
@@ -562,6 +591,9 @@ def run(args: argparse.Namespace, plan: Any, loader: Any, params: Any, cuda: boo
     peak_flops, peak_source = chip_peak("cuda" if cuda else "cpu", args.peak_tflops)
     print(f"workers built in {worker_s:.1f} s; peak {peak_flops / 1e9:,.0f} GFLOP/s ({peak_source})", flush=True)
     clock = Clock(cuda)
+    for role in (worker.actor, worker.ref):
+        if role is not None:
+            clock.watch_tower(role.model)
     # the weight sync happens inside generate (the engine gathers the actor's weights as it loads
     # them): timed there, subtracted from the generation
     worker.rollout.update_weights = clock.timed("weight_sync", worker.rollout.update_weights)

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import os
 
-    if args.tiny:
+    if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     from transformers import GenerationConfig
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
     from easyvlm.plan.dataloaders import plan_dataloaders
     from easyvlm.rollout.factory import build_rollout
 
-    cuda = not args.tiny
+    cuda = not args.cpu
     if cuda and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here: run with --tiny for the CPU")
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)

@@ -126,6 +126,20 @@ def check_actor(c: Checks) -> None:
     _check_loss_hyperparameters(c)
     _check_token_filters(c)
     _check_router(c)
+    _check_vision_cache(c)
+
+
+def _check_vision_cache(c: Checks) -> None:
+    """worker.actor.vision_cache_mb: a budget in MiB, and only for a tower whose outputs never change."""
+    p, actor = "worker.actor", c.cfg.worker.actor
+    budget = actor.vision_cache_mb
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        c.add(f"{p}.vision_cache_mb", f"must be a whole number of MiB >= 0 (0 = off, null = 1024 with a frozen tower), got {budget!r}")
+    elif budget > 0 and not actor.model.freeze_vision_tower:
+        c.add(f"{p}.vision_cache_mb", f"({budget}) keeps the vision tower's outputs, which change at every update of a "
+              f"tower that trains; set {p}.model.freeze_vision_tower=true, or vision_cache_mb=0")
 
 
 def _check_router(c: Checks) -> None:

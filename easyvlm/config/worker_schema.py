@@ -92,6 +92,15 @@ class ActorConfig:
     """easyvlm extra (verl's ppo_max_token_len_per_gpu). Dynamic batching's token budget per
     micro-batch. None = EasyR1's: the micro-batch size times data.max_prompt_length +
     data.max_response_length (a micro-batch of EasyR1's padded rows)."""
+    vision_cache_mb: Optional[int] = None
+    """easyvlm extra. With a frozen vision tower (`model.freeze_vision_tower=true`): each image goes
+    through the tower once, alone, and its embeddings are kept on the device, up to this many MiB
+    (least recently used out first), for every later pass that shows the model the image: the old
+    log-probs, the update's micro-batches and epochs, the next steps. Exact: the log-probs and
+    gradients are those of encoding each image by itself. The reference model shares the actor's
+    entries when its tower's weights are the actor's, else keeps its own (the teacher too); with
+    `offload.offload_params` the entries are dropped at each offload. None = 1024 with a frozen
+    tower, else off; 0 = off. A value with a tower that trains is refused."""
     router_replay: Literal["disabled", "R2", "R3"] = "disabled"
     """easyvlm extra (verl's router_replay.mode values). MoE models (Qwen3.5-MoE, Qwen3-VL-MoE): which
     experts the training passes route each token to. disabled: the router's own choice in every pass;

@@ -19,8 +19,9 @@ on all N x N pairs as ``create_block_mask`` does (tests check the two agree bloc
 
 Speed needs ``torch.compile``: eager flex_attention is torch's dense reference (it materialises the
 H x N x N scores). On CUDA the kernel is ``torch.compile(flex_attention)`` (Triton), as transformers
-does; on the CPU it runs eagerly (forward only: torch refuses flex_attention's backward on the CPU)
-and is never chosen by default there (per-sequence SDPA is faster; bench/packed_attention.py).
+does, compiled once with dynamic shapes (:func:`compile_flex`: packed rows differ in length every
+micro-batch); on the CPU it runs eagerly (forward only: torch refuses flex_attention's backward on
+the CPU) and is never chosen by default there (per-sequence SDPA is faster; bench/packed_attention.py).
 No attention dropout: :func:`flex_packed_attention` refuses ``dropout != 0`` (the selection in
 ``easyvlm.models.padding_free`` then keeps per-sequence SDPA).
 """
@@ -67,8 +68,10 @@ def token_intervals(segments: list[Segment], n: int, device: torch.device) -> tu
          for seg in segments],
         dtype=torch.int32, device=device,
     )  # (S, 3)
-    own_start, prefix_lo, prefix_hi = table.repeat_interleave(lengths, dim=0, output_size=n).T.contiguous()
-    return own_start, prefix_lo, prefix_hi  # contiguous: compiled kernels read them as plain buffers
+    # three tensors of their own (contiguous, no common base): views of one (3, n) tensor would show the
+    # compiled kernel a size 3, which dynamic shapes would tie to a row's block count that happens to be 3
+    own_start, prefix_lo, prefix_hi = (column.repeat_interleave(lengths, output_size=n) for column in table.T)
+    return own_start, prefix_lo, prefix_hi
 
 
 def segment_block_mask(
@@ -118,12 +121,29 @@ def segment_block_mask(
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex() -> Callable[..., Tensor]:
-    """``torch.compile(flex_attention)``, built once (dynamic shapes after the first size change)."""
+def compile_flex(backend: str | Callable = "inductor") -> Callable[..., Tensor]:
+    """``torch.compile(flex_attention)`` with the row length dynamic from the first call, so it
+    compiles once, not static first and again with dynamic shapes at the first new length (torch's
+    default, "automatic dynamic"). Heads and head size are fixed per model and stay static: were they
+    dynamic, a first row whose block count equals a head count would be specialised with it (equal
+    sizes share one symbol) and compiled again at the next length."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, backend=backend, dynamic=True)
+
+    def attend(query: Tensor, key: Tensor, value: Tensor, **kwargs) -> Tensor:
+        for tensor in (query, key, value):  # (1, heads, N, head size)
+            torch._dynamo.mark_static(tensor, 1)
+            torch._dynamo.mark_static(tensor, 3)
+        return compiled(query, key, value, **kwargs)
+
+    return attend
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex() -> Callable[..., Tensor]:
+    """The kernel CUDA runs, built once per process."""
+    return compile_flex()
 
 
 _last_mask: tuple[tuple, BlockMask] | None = None

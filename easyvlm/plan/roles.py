@@ -36,7 +36,7 @@ def _micro(cfg: PPOConfig, role: ActorConfig | CriticConfig, size: int) -> Micro
     return MicroBatching(micro_batch_size=size, dynamic=role.dynamic_batching, max_token_len=budget)
 
 
-def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds) -> ForwardSpec:
+def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds, vision_language: bool) -> ForwardSpec:
     """A role's forward passes: padding_free, share_prompts and ulysses_size are the role's keys."""
     return settings_of(
         ForwardSpec, role,
@@ -45,7 +45,27 @@ def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds)
         use_torch_compile=cfg.worker.actor.use_torch_compile,  # EasyR1 has the key on the actor only
         experience=_micro(cfg, role, role.micro_batch_size_per_device_for_experience),
         router_replay=getattr(role, "router_replay", "disabled"),  # the actor's (MoE policies)
+        vision_cache_mb=vision_cache_budget(role, vision_language),
     )
+
+
+DEFAULT_VISION_CACHE_MB = 1024
+
+
+def _vision_language(bundle: ModelBundle) -> bool:
+    from easyvlm.models.loading import is_vision_language_config
+
+    return is_vision_language_config(bundle.policy.hf_config)
+
+
+def vision_cache_budget(role: ActorConfig | CriticConfig, vision_language: bool) -> int:
+    """MiB of the frozen vision tower's outputs the role's workers keep (0 = no cache): the actor's
+    ``vision_cache_mb``, by default 1024 with a frozen tower; none for text-only models and the critic."""
+    if not isinstance(role, ActorConfig) or not vision_language:
+        return 0
+    if role.vision_cache_mb is not None:
+        return role.vision_cache_mb
+    return DEFAULT_VISION_CACHE_MB if role.model.freeze_vision_tower else 0
 
 
 def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatching) -> UpdateSpec:
@@ -69,7 +89,7 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
     return settings_of(
         ActorSpec, actor,
         model=bundle.policy,
-        forward=_forward(cfg, actor, bundle.tokens),
+        forward=_forward(cfg, actor, bundle.tokens, _vision_language(bundle)),
         update=_update(cfg, actor, derived.actor),
         policy_loss=PolicyLossSpec(loss, source),
         kl_loss=cfg.algorithm.kl if derived.kl_in_loss else None,
@@ -98,7 +118,7 @@ def ref_spec(cfg: PPOConfig, bundle: ModelBundle) -> RefSpec:
     are the initial policy), the actor's forward settings, the ref section's FSDP and offload."""
     ref = cfg.worker.ref
     model = dataclasses.replace(bundle.policy, lora=None, gradient_checkpointing=False, freeze_vision_tower=False)
-    forward = _forward(cfg, cfg.worker.actor, bundle.tokens)
+    forward = _forward(cfg, cfg.worker.actor, bundle.tokens, _vision_language(bundle))
     # the reference replays the sampler's experts under R3 only (R2 replays in the update alone)
     forward = dataclasses.replace(forward, router_replay="R3" if forward.router_replay == "R3" else "disabled")
     return settings_of(RefSpec, ref, model=model, forward=forward)
@@ -128,7 +148,7 @@ def teacher_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RefSpec]:
     problem = teacher_problem(bundle, model.model_dir, model.hf_config, teacher.model.trust_remote_code)
     if problem is not None:
         raise ConfigError([Problem(f"{key}.model_path", f"{teacher.model.model_path} ({model.model_dir}): {problem}")])
-    forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens), router_replay="disabled")  # its own experts
+    forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens, _vision_language(bundle)), router_replay="disabled")  # its own experts
     return settings_of(RefSpec, teacher, model=model, forward=forward)
 
 
@@ -195,7 +215,7 @@ def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> Critic
     return settings_of(
         CriticSpec, critic,
         model=model,
-        forward=_forward(cfg, critic, bundle.tokens),
+        forward=_forward(cfg, critic, bundle.tokens, False),
         update=_update(cfg, critic, derived.critic),
         seed=cfg.trainer.seed,
     )

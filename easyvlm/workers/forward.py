@@ -33,12 +33,14 @@ from torch import Tensor, nn
 from easyvlm.data.batch import Batch
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.workers.routing import routed_forward
+from easyvlm.workers.shared_prompts import shared_prompt_sources, split_prompt_images
 from easyvlm.workers.vision_dummy import MULTI_MODAL_KEY, DummyImage, with_dummy_image
 from easyvlm.workers.specs import ForwardSpec
 from easyvlm.models.linear_attention import SEGMENTS_KWARG, has_linear_attention
 from easyvlm.models.moe_routing import RoutingState
 from easyvlm.models.padding_free import VARLEN_ATTENTION, PackedInputs, pack_inputs
 from easyvlm.models.segments import packed_segments
+from easyvlm.models.vision_cache import VisionEmbeddingCache, model_inputs_with_cache
 from easyvlm.models.ulysses import (
     ULYSSES_KWARG,
     UlyssesAttention,
@@ -59,70 +61,6 @@ def response_valid_mask(attention_mask: Tensor, response_length: int) -> Tensor:
     P = L - response_length
     mask = attention_mask.bool()
     return mask[:, P:] & mask[:, P - 1 : L - 1]
-
-
-def split_prompt_images(item: dict | None, input_ids: Tensor, attention_mask: Tensor, prompt_length: int,
-                        image_token_id: int | None) -> tuple[dict, dict]:
-    """(the vision inputs of one row's prompt images, those of its response's images): a multi-turn
-    row's tools add images after the prompt. Videos stay with the prompt (tools return images).
-
-    input_ids / attention_mask: (L,) of the row. Images come in token order; each image's tokens
-    are its patches / merge**2, with merge**2 = patches / tokens over the row's images."""
-    item = dict(item or {})
-    grid = item.get("image_grid_thw")
-    if grid is None or image_token_id is None:
-        return item, {}
-    image_tokens = (input_ids == image_token_id) & attention_mask.bool()
-    in_prompt, total = int(image_tokens[:prompt_length].sum()), int(image_tokens.sum())
-    if total == in_prompt:
-        return item, {}
-    patches = grid.prod(-1)  # (N,) rows of pixel_values per image
-    merge2 = int(patches.sum()) // total
-    tokens = (patches // merge2).cumsum(0)
-    first = int((tokens <= in_prompt).sum())  # images wholly in the prompt
-    assert first == 0 or int(tokens[first - 1]) == in_prompt, "an image straddles the prompt's end"
-    start = int(patches[:first].sum())
-    prompt = {**item, "pixel_values": item["pixel_values"][:start], "image_grid_thw": grid[:first]}
-    if first == 0:
-        prompt = {k: v for k, v in item.items() if k not in ("pixel_values", "image_grid_thw")}
-    return prompt, {"pixel_values": item["pixel_values"][start:], "image_grid_thw": grid[first:]}
-
-
-def _same_item(a: dict | None, b: dict | None) -> bool:
-    """Whether two samples' multi-modal inputs are identical (same keys, equal tensors)."""
-    a, b = a or {}, b or {}
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and x.shape == y.shape and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
-
-
-def shared_prompt_sources(batch: Batch, prompt_length: int, image_token_id: int | None = None) -> Tensor:
-    """(B,) long: for each row, the first row of its run of consecutive rows with the same prompt
-    (tokens, attention mask and positions in columns ``0 .. prompt_length - 1``, and images).
-    GRPO's n samples of a prompt are such a run. [p, p, q, p] -> [0, 0, 2, 3]. With
-    ``image_token_id``, only the prompt's images are compared (multi-turn rows add tool images)."""
-    ids, mask, pos = batch["input_ids"], batch["attention_mask"].bool(), batch["position_ids"]
-    B = ids.shape[0]
-    P = prompt_length
-    same = (mask[1:, :P] == mask[:-1, :P]).all(-1)
-    same &= ((ids[1:, :P] == ids[:-1, :P]) | ~mask[1:, :P]).all(-1)
-    same &= (pos[1:, ..., :P] == pos[:-1, ..., :P]).flatten(1).all(-1)
-    items = batch.get(MULTI_MODAL_KEY) or [None] * B
-    sources = list(range(B))
-    if image_token_id is not None and bool(((ids[:, P:] == image_token_id) & mask[:, P:]).any()):
-        # multi-turn rows: tools put images in the response; compare the prompts' images only
-        items = [split_prompt_images(items[b], ids[b], mask[b], P, image_token_id)[0] for b in range(B)]
-    for b, equal in enumerate(same.tolist(), start=1):
-        if equal and _same_item(items[b], items[b - 1]):
-            sources[b] = sources[b - 1]
-    return torch.tensor(sources, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -148,18 +86,22 @@ class ForwardSetup:
     router_replay: str = "disabled"
     keep_router_logits: bool = False
     """Training passes keep the router logits (the load-balancing loss)."""
+    vision_cache: VisionEmbeddingCache | None = None
+    """The frozen vision tower's outputs by image (``easyvlm.models.vision_cache``; the model has its
+    hook installed): the forward hands the model its images' pixels on the host, behind keys."""
 
     @classmethod
     def of(
         cls, spec: ForwardSpec, device: torch.device, dummy_image: DummyImage | None, ulysses: UlyssesGroup | None,
         routing: RoutingState | None = None, keep_router_logits: bool = False,
+        vision_cache: VisionEmbeddingCache | None = None,
     ) -> "ForwardSetup":
         """A worker's setup: its plan slice's forward settings plus what the worker made itself."""
         return cls(
             device=device, padding_free=spec.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
             temperature=spec.temperature, share_prompts=spec.share_prompts, dummy_image=dummy_image,
             ulysses=ulysses, use_torch_compile=spec.use_torch_compile, routing=routing,
-            router_replay=spec.router_replay, keep_router_logits=keep_router_logits,
+            router_replay=spec.router_replay, keep_router_logits=keep_router_logits, vision_cache=vision_cache,
         )
 
 
@@ -256,7 +198,11 @@ def _prompt_sources_and_images(model: nn.Module, batch: Batch, setup: ForwardSet
                 else split_prompt_images(item, batch["input_ids"][b], batch["attention_mask"][b], P, image_token_id)[1]
                 for b, item in enumerate(items)
             ]
-    extra: dict[str, Any] = {k: v.to(setup.device) for k, v in concat_multi_modal_inputs(items).items()}
+    vision = concat_multi_modal_inputs(items)
+    if setup.vision_cache is not None:  # the pixels stay on the host unless the cache misses them
+        extra = model_inputs_with_cache(vision, setup.device)
+    else:
+        extra = {k: v.to(setup.device) for k, v in vision.items()}
     extra["use_cache"] = False
     return sources, extra
 

@@ -151,7 +151,9 @@ def block_class_names(model: nn.Module) -> set[str]:
     return names
 
 
-def apply_fsdp(model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key: str = "fsdp") -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key: str = "fsdp", shard_vision_blocks: bool = True,
+) -> nn.Module:
     """Shard ``model`` in place as ``fsdp_plan(fsdp, world_size, device.type)`` says, over all
     ranks of the default process group; returns it. Collective: every rank calls it alike.
 
@@ -159,9 +161,13 @@ def apply_fsdp(model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key:
     the model loaded from disk and the other ranks the same model built with
     ``load_model(..., on_meta=True)``; all ranks end with rank 0's parameters and buffers.
     ``key`` names the role's fsdp section in errors (e.g. ``worker.actor.fsdp``).
+    ``shard_vision_blocks=False`` (a frozen tower behind the vision cache, easyvlm.models.vision_cache):
+    the tower's blocks join the root's unit, so running the tower on one rank only needs no collective.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from easyvlm.models.loading import get_vision_tower
 
     if not dist.is_initialized():
         raise RuntimeError(
@@ -184,8 +190,10 @@ def apply_fsdp(model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key:
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     kwargs = fully_shard_kwargs(plan)
     blocks = block_class_names(model)
+    tower = get_vision_tower(model)
+    unsharded = set() if shard_vision_blocks or tower is None else set(tower.modules())
     for module in list(model.modules()):
-        if type(module).__name__ in blocks:
+        if type(module).__name__ in blocks and module not in unsharded:
             fully_shard(module, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
 
@@ -287,37 +295,36 @@ def merge_lora_state_dict(state: dict[str, Tensor], scaling: float, adapter: str
 
 
 # ------------------------------------------------------------------------------------------------
-# Offload between phases (GPU only; no-ops on the CPU)
+# Offload between phases (GPU only; no-ops on the CPU), through host buffers allocated once and
+# pinned, one set per model and per optimizer (easyvlm/workers/host_offload.py says why)
+
+from easyvlm.workers.host_offload import mirror_of, model_tensors, optimizer_tensors  # noqa: E402
 
 
 def offload_model(model: nn.Module) -> None:
-    """Move the (sharded) parameters and buffers to CPU memory, freeing the GPU for rollout."""
+    """Move the (sharded) parameters and buffers to host memory, freeing the GPU for rollout."""
     if _on_cuda(model):
-        model.to("cpu", non_blocking=True)
+        mirror_of(model).park(model_tensors(model))
         torch.cuda.empty_cache()
 
 
 def load_model_to(model: nn.Module, device: torch.device) -> None:
-    if device.type == "cuda" and not _on_cuda(model):
-        model.to(device, non_blocking=True)
+    mirror = mirror_of(model)
+    if device.type == "cuda" and mirror.parked:
+        mirror.restore(device)
 
 
 def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    _move_optimizer_state(optimizer, torch.device("cpu"))
-    if torch.cuda.is_available():
+    tensors = optimizer_tensors(optimizer)
+    if any(t.is_cuda for t in tensors):  # none before the first step: Adam's state is made by it
+        mirror_of(optimizer).park(tensors)
         torch.cuda.empty_cache()
 
 
 def load_optimizer_to(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    if device.type == "cuda":
-        _move_optimizer_state(optimizer, device)
-
-
-def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.device != device and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+    mirror = mirror_of(optimizer)
+    if device.type == "cuda" and mirror.parked:
+        mirror.restore(device)
 
 
 def _on_cuda(model: nn.Module) -> bool:

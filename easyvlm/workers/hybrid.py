@@ -22,6 +22,7 @@ from easyvlm.rollout.factory import build_rollout
 from easyvlm.workers.actor import ActorWorker
 from easyvlm.workers.dist import init_distributed
 from easyvlm.workers.ref import RefWorker
+from easyvlm.workers.training import compute_dtype
 
 
 class HybridWorker:
@@ -36,6 +37,8 @@ class HybridWorker:
         self.ref = RefWorker(ref, rank=self.rank, world_size=self.world_size, ulysses=ulysses) if ref is not None else None
         if self.ref is not None:
             self.actor.reference_distribution = self.ref.log_distribution  # the full KL's, in-process
+            if self.actor.vision is not None:  # the reference's tower is the actor's frozen one: no second encode
+                self.ref.share_vision_cache(self.actor.vision, self.actor.model, compute_dtype(actor.fsdp, self.actor.device))
         self.teacher = RefWorker(teacher, rank=self.rank, world_size=self.world_size, ulysses=ulysses,
                                  output="teacher_logprobs", section="worker.teacher") if teacher is not None else None
         if self.teacher is not None:

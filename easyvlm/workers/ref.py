@@ -9,6 +9,8 @@ On-policy distillation's teacher is the same kind of worker with another model
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -19,9 +21,10 @@ from easyvlm.workers.dist import worker_device
 from easyvlm.models.moe_routing import routing_state
 from easyvlm.workers.forward import ForwardSetup, policy_log_distribution, policy_logprobs_for_batch
 from easyvlm.workers.vision_dummy import dummy_image_for
+from easyvlm.models.vision_cache import CachedTower, same_frozen_tower
 from easyvlm.workers.fsdp import load_model_to, offload_model
 from easyvlm.workers.sharded import build_sharded_model
-from easyvlm.workers.training import check_worker_group, model_dtype, token_budget
+from easyvlm.workers.training import check_worker_group, compute_dtype, model_dtype, token_budget
 
 
 class RefWorker:
@@ -48,11 +51,17 @@ class RefWorker:
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
             padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key=f"{section}.fsdp",
+            shard_vision_blocks=not spec.forward.vision_cache_mb,
         )
+        self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None
         # MoE: the routers' state (R3 replays the sampler's experts here too; workers/routing.py)
         self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses,
-                                     routing=routing_state(self.model))
+                                     routing=routing_state(self.model), vision_cache=self.vision.cache if self.vision else None)
         self._offloaded = False
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        return compute_dtype(self.spec.fsdp, self.device)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
         """``ref_logprobs`` (B, T) of ``responses`` under this model (0 at padding; the key is ``output``).
@@ -85,3 +94,15 @@ class RefWorker:
         if self.spec.offload.offload_params:
             offload_model(self.model)
             self._offloaded = True
+            if self.vision is not None:
+                self.vision.cache.clear()
+
+    def share_vision_cache(self, actor_vision: CachedTower, actor_model: torch.nn.Module,
+                           actor_dtype: torch.dtype | None) -> bool:
+        """Serve this model's images from the actor's cache when the two towers compute alike
+        (``same_frozen_tower``: the actor's frozen tower is the initial one). Returns whether shared."""
+        if self.vision is None or not same_frozen_tower(actor_model, actor_dtype, self.model, self.compute_dtype):
+            return False
+        self.vision.share(actor_vision)
+        self.setup = dataclasses.replace(self.setup, vision_cache=actor_vision.cache)
+        return True

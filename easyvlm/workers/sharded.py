@@ -24,16 +24,17 @@ def build_sharded_model(
     device: torch.device,
     rank: int,
     key: str,
+    shard_vision_blocks: bool = True,
 ) -> nn.Module:
     """The model of ``spec`` under FSDP2 as ``fsdp`` (config key ``key``) asks. Collective: every
     rank calls it; with ``enable_rank0_init`` only rank 0 reads the weights, the others build the
     model on the meta device and receive their shards from rank 0 (easyvlm.workers.fsdp). On the
     CPU its float32 linear layers run through oneDNN (easyvlm.models.cpu_linear: the same arithmetic,
-    ~2x faster than MKL on AMD CPUs)."""
+    ~2x faster than MKL on AMD CPUs). ``shard_vision_blocks``: see ``apply_fsdp``."""
     plan = fsdp_plan(fsdp, dist.get_world_size(), device.type, key=key)
     loaded = load_model(
         spec, role=role, dtype=dtype, padding_free=padding_free, trainable=trainable, on_meta=not plan.loads_weights(rank)
     )
     if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
         use_onednn_linears(loaded.model)
-    return apply_fsdp(loaded.model, fsdp, device, key=key)
+    return apply_fsdp(loaded.model, fsdp, device, key=key, shard_vision_blocks=shard_vision_blocks)

@@ -45,6 +45,9 @@ class ForwardSpec:
     """Ranks of a sequence-parallel group (1 = off)."""
     experience: MicroBatching
     """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
+    vision_cache_mb: int = 0
+    """The frozen vision tower's outputs kept per image, up to this many MiB (``easyvlm.models.vision_cache``);
+    0 = off (a tower that trains, a text-only model, the critic)."""
     router_replay: str = "disabled"
     """MoE policies: disabled, R2 (the actor records in its old-log-prob pass, replays in the update)
     or R3 (every pass replays the sampler's experts); ``easyvlm.workers.routing``."""

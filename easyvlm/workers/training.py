@@ -48,6 +48,13 @@ def model_dtype(fsdp: FSDPConfig, device: torch.device, gpu_default: torch.dtype
     return gpu_default if fsdp.torch_dtype is None else DTYPES[canonical_dtype(fsdp.torch_dtype)]
 
 
+def compute_dtype(fsdp: FSDPConfig, device: torch.device) -> torch.dtype | None:
+    """The dtype FSDP gathers the parameters in for the forward (mixed precision on GPUs); None = their own."""
+    from easyvlm.workers.fsdp import fsdp_plan
+
+    return fsdp_plan(fsdp, world_size(), device.type).param_dtype
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

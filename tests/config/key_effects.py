@@ -47,6 +47,7 @@ OPTIM = "tests/workers/test_optim.py"
 REWARDS = "tests/rewards/test_reward_manager.py"
 ROLLOUT = "tests/rollout/test_rollout_base.py"
 VLLM = "tests/rollout/test_vllm.py"
+VISION_CACHE = "tests/workers/test_vision_cache.py"
 
 CORRECTION = "tests/algorithms/test_rollout_correction.py"
 SEPARATE = "tests/trainer/test_e2e_separate_rollout.py::TestSeparateRollout"
@@ -360,6 +361,8 @@ ENTRIES: list[tuple[str, Entry]] = [
             f"{MOE}::test_r2_records_the_routers_choices", f"{MOE}::test_the_update_replays_the_recorded_experts"),
     effects("worker.actor.router_aux_loss_coef", f"{MOE}::test_default_coefficient_is_the_models",
             f"{MOE}::test_aux_loss_is_the_models_and_trains_the_router"),
+    effects("worker.actor.vision_cache_mb", PLAN, f"{VISION_CACHE}::test_cached_logprobs_are_bitwise_the_recomputed_ones",
+            f"{VISION_CACHE}::test_the_default_budget_follows_the_frozen_tower"),
     *_trained("actor"),
     # critic (gae only)
     fixed("worker.critic.strategy"),

@@ -47,6 +47,9 @@ def test_base_config_is_valid():
 
 # (overrides, the key the problem must name, a phrase of its message)
 RULES = [
+    # the vision cache: a budget, for a frozen tower only
+    (["worker.actor.vision_cache_mb=64"], "worker.actor.vision_cache_mb", "set worker.actor.model.freeze_vision_tower=true"),
+    (["worker.actor.vision_cache_mb=-1", "worker.actor.model.freeze_vision_tower=true"], "worker.actor.vision_cache_mb", ">= 0"),
     # batch sizes
     (["data.rollout_batch_size=10"], "data.rollout_batch_size", "must be a multiple of worker.actor.global_batch_size (4)"),
     (["worker.actor.global_batch_size=16"], "worker.actor.global_batch_size", "larger than data.rollout_batch_size (8)"),

@@ -183,8 +183,10 @@ def test_dropout_and_unknown_kernels_are_refused():
 def test_compiled_block_sparse_kernel_on_cpu():
     """torch.compile(flex_attention) on the CPU (inductor's C++ template) reads the BlockMask's
     blocks: skips the empty ones and does not apply the mask in the full ones, so a wrong block
-    would show here. One fixed shape (dynamic=False): inductor's CPU template fails on dynamic sizes
-    in torch 2.14 (CUDA uses Triton). Forward only (no CPU backward). ~10 s to compile."""
+    would show here. One fixed shape (dynamic=False), the kernel on its own; the dynamic-shape compile
+    the workers use (`compile_flex`: heads and head size static) is tests/models/test_flex_compile.py's
+    (inductor's CPU template failed on automatically dynamic sizes in torch 2.14). Forward only (no CPU
+    backward). ~10 s to compile."""
     from torch.nn.attention.flex_attention import flex_attention
 
     positions = [*range(300), *range(200, 330), *range(200, 330), *range(200), *range(50, 90)]

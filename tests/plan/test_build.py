@@ -83,6 +83,10 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.actor.loss_avg_mode", "seq-mean-token-sum-norm", "actor.update.loss_avg_mode", "seq-mean-token-sum-norm"),
         ("data.max_response_length", "48", "actor.update.norm_length", 48),
     ]),
+    "vision cache": (("worker.actor.model.freeze_vision_tower=true", "algorithm.use_kl_loss=true"), "cpu", [
+        ("worker.actor.vision_cache_mb", "64", "actor.forward.vision_cache_mb", 64),
+        ("worker.actor.vision_cache_mb", "64", "ref.forward.vision_cache_mb", 64),
+    ]),
     "actor loss": (("algorithm.use_kl_loss=true",), "cpu", [
         ("worker.actor.loss_type", "sapo", "actor.policy_loss.settings.loss_type", "sapo"),
         ("worker.actor.clip_ratio_low", "0.1", "actor.policy_loss.settings.clip_ratio_low", 0.1),

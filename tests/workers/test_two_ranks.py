@@ -31,6 +31,14 @@ def test_two_ranks_equal_one_rank(process_group, tiny_model_path, tmp_path, layo
 
 
 @pytest.mark.slow
+def test_two_ranks_with_the_vision_cache(process_group, tiny_model_path, tmp_path):
+    """The mixed layout with a frozen tower behind the vision cache: rank 0 (text only) encodes its
+    dummies once, rank 1 its images and videos, so the ranks run the tower unequally often; the
+    tower's blocks then sit in the root's FSDP unit (no collective of their own), or this hangs."""
+    assert_two_ranks_equal_one_rank(tiny_model_path, "mixed", tmp_path, {"freeze_vision_tower": True, "vision_cache_mb": 64})
+
+
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank_on_qwen3_5_moe(process_group, easyvlm_cache_dir, tmp_path):
     """The tiny Qwen3.5-MoE: gated-DeltaNet layers (segment-aware, under gradient checkpointing) and
     sparse experts with their routers, sharded by FSDP2 and built on the meta device on rank 1
