@@ -40,17 +40,13 @@ def make_actor(model_path: str, budget: int, **overrides) -> ActorWorker:
     return ActorWorker(spec, rank=0, world_size=1)
 
 
-@pytest.fixture(scope="module")
-def qwen3_vl_path(easyvlm_cache_dir):
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "qwen3.5"])
+def test_cached_logprobs_are_bitwise_the_recomputed_ones(process_group, tiny_model_path, easyvlm_cache_dir, family):
+    # qwen3-vl: the deepstack features travel with the embeddings; qwen3.5: gated-DeltaNet decoder,
+    # Qwen3-VL's tower without deepstack; the mixed prompts add videos
     from easyvlm.builtin.models import materialize_model
 
-    return str(materialize_model("tiny-qwen3-vl", cache_dir=easyvlm_cache_dir))
-
-
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
-def test_cached_logprobs_are_bitwise_the_recomputed_ones(process_group, tiny_model_path, qwen3_vl_path, family):
-    # qwen3-vl: the deepstack features travel with the embeddings; the mixed prompts add videos
-    path = tiny_model_path if family == "qwen2.5-vl" else qwen3_vl_path
+    path = tiny_model_path if family == "qwen2.5-vl" else str(materialize_model(f"tiny-{family}", cache_dir=easyvlm_cache_dir))
     batch = make_rl_batch(path, PROMPTS[:4] + MIXED_PROMPTS[5:7], RESPONSE_LENGTHS[:6])
     recomputed = make_actor(path, 0).compute_logprobs(batch, with_entropy=True)
     actor = make_actor(path, 64)
