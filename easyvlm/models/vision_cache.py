@@ -239,13 +239,13 @@ def same_frozen_tower(model_a: nn.Module, compute_dtype_a: Optional[torch.dtype]
         return False
 
     def tensors(tower: nn.Module, dtype: Optional[torch.dtype]) -> dict[str, Tensor]:
-        out = {}
-        for name, t in (*tower.named_parameters(), *tower.named_buffers()):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            out[name] = local.detach().to(dtype) if dtype is not None and local.is_floating_point() and name in params else local
+        """Parameters as the forward sees them (FSDP casts them to ``dtype``), buffers as they are."""
+        out = {name: t.to_local() if hasattr(t, "to_local") else t for name, t in tower.named_buffers()}
+        for name, t in tower.named_parameters():
+            local = (t.to_local() if hasattr(t, "to_local") else t).detach()
+            out[name] = local.to(dtype) if dtype is not None and local.is_floating_point() else local
         return out
 
-    params = {name for name, _ in tower_a.named_parameters()} | {name for name, _ in tower_b.named_parameters()}
     a, b = tensors(tower_a, compute_dtype_a), tensors(tower_b, compute_dtype_b)
     return a.keys() == b.keys() and all(
         a[name].dtype == b[name].dtype and a[name].shape == b[name].shape and torch.equal(a[name], b[name]) for name in a
