@@ -154,6 +154,10 @@ def _check_router(c: Checks) -> None:
         c.add(f"{p}.router_replay", f"R3 replays the experts the sampler chose, which easyvlm records with the "
               f"transformers engine only; set worker.rollout.name=hf, or router_replay=R2 with "
               f"worker.rollout.name={c.cfg.worker.rollout.name}")
+    if actor.router_replay == "R2" and c.cfg.algorithm.rollout_correction.bypass_mode:
+        c.add(f"{p}.router_replay", "R2 records each token's experts in the old-log-prob pass, which "
+              "algorithm.rollout_correction.bypass_mode=true skips (the sampler's log-probs are the old ones), so "
+              "nothing would be replayed; use router_replay=R3 (the sampler's experts) or bypass_mode=false")
     rollout = c.cfg.worker.rollout
     if actor.router_replay == "R3" and (rollout.tools or rollout.environment):
         c.add(f"{p}.router_replay", "R3 records the experts of single-turn samples; multi-turn rollouts "

@@ -12,7 +12,8 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from easyvlm.data.batch import Batch
+from easyvlm.data.batch import ROUTED_EXPERTS_KEY, Batch
+from easyvlm.models.moe_routing import FREE
 
 
 def group_ids_from_uids(uids: Sequence[Hashable]) -> Tensor:
@@ -65,20 +66,29 @@ def concat_rollouts(batches: Sequence[Batch], pad_token_id: int) -> Batch:
     """Batch.concat of rollout batches of different generation rounds.
 
     Each round's prompts are left padded to that round's longest prompt (P_i), so the prompt side
-    of ``prompts`` (B, P_i), ``input_ids`` / ``attention_mask`` (B, P_i+T) and ``position_ids``
-    (B, P_i+T) or (B, R, P_i+T) is first left padded to max P_i, with the data collator's values:
-    ``pad_token_id``, False, 0. The response side (T = max_response_length) already agrees.
+    of ``prompts`` (B, P_i), ``input_ids`` / ``attention_mask`` (B, P_i+T), ``position_ids``
+    (B, P_i+T) or (B, R, P_i+T) and an MoE policy's ``routed_experts`` (B, P_i+T, layers, k) is first
+    left padded to max P_i, with the data collator's values (``pad_token_id``, False, 0) and, for the
+    routing, FREE (a padding column routes freely, as every padding position of one round does).
+    The response side (T = max_response_length) already agrees.
     """
     width = max(b["prompts"].shape[1] for b in batches)
-    fill = {"prompts": pad_token_id, "input_ids": pad_token_id, "attention_mask": False, "position_ids": 0}
     padded = []
     for batch in batches:
         extra = width - batch["prompts"].shape[1]
         if extra:
             batch = batch.copy()
-            for key, value in fill.items():
+            for key, (value, dim) in _prompt_side_fill(pad_token_id).items():
                 if key in batch:
                     t = batch[key]
-                    batch[key] = torch.cat([t.new_full((*t.shape[:-1], extra), value), t], dim=-1)
+                    shape = list(t.shape)
+                    shape[dim] = extra
+                    batch[key] = torch.cat([t.new_full(shape, value), t], dim=dim)
         padded.append(batch)
     return Batch.concat(padded)
+
+
+def _prompt_side_fill(pad_token_id: int) -> dict[str, tuple[int | bool, int]]:
+    """The rollout tensors whose columns include the prompt: key -> (fill value, the columns' dimension)."""
+    return {"prompts": (pad_token_id, -1), "input_ids": (pad_token_id, -1), "attention_mask": (False, -1),
+            "position_ids": (0, -1), ROUTED_EXPERTS_KEY: (FREE, 1)}

@@ -270,6 +270,8 @@ RULES = [
      "records with the transformers engine only; set worker.rollout.name=hf, or router_replay=R2"),
     (["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.rollout.tools=[image_zoom]"],
      "worker.actor.router_replay", "multi-turn rollouts (worker.rollout.tools / environment) do not keep them"),
+    (["worker.actor.router_replay=R2", "algorithm.rollout_correction.bypass_mode=true"], "worker.actor.router_replay",
+     "bypass_mode=true skips (the sampler's log-probs are the old ones), so nothing would be replayed; use router_replay=R3"),
     (["worker.actor.router_replay=R2", "worker.actor.ulysses_size=2", "trainer.n_gpus_per_node=2"],
      "worker.actor.router_replay", "cannot run with worker.actor.ulysses_size > 1"),
 ]

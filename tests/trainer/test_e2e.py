@@ -222,6 +222,30 @@ class TestEstimators:
             assert not set(steps[0]["uids"]) & set(steps[1]["uids"])
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("e2e_ray")
+@pytest.mark.parametrize("online_filtering", [False, True])
+def test_router_replay_r3_survives_several_generation_rounds(e2e_base_args, online_filtering, tmp_path):
+    """Issue 54: R3 with a step generated in rounds (``data.mini_rollout_batch_size``, and DAPO's
+    online filtering) stopped in the first step (Batch.concat: routing tensors of the rounds' prompt
+    widths). 3 steps of 2 rounds or more each; the trainer replays what the sampler chose, so k3 is
+    far below 1e-3 (the sampler and trainer are the same fp32 model)."""
+    from easyvlm.trainer.main import main
+
+    filtering = [f"worker.reward.reward_function={HASH_REWARD}", "algorithm.online_filtering=true",
+                 "algorithm.filter_key=accuracy", "algorithm.filter_low=0.01", "algorithm.filter_high=0.99"]
+    main([*e2e_base_args, "worker.actor.model.model_path=builtin:tiny-qwen3.5-moe", "worker.rollout.name=hf",
+          "worker.actor.router_replay=R3", "data.mini_rollout_batch_size=2", "trainer.max_steps=3",
+          *(filtering if online_filtering else []), f"trainer.save_checkpoint_path={tmp_path}"])
+    rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    rounds = "online_filtering/rounds" if online_filtering else "generation/rounds"
+    assert all(row[rounds] >= 2.0 for row in rows), [row[rounds] for row in rows]
+    for row in rows:
+        assert_finite(row, ["actor/pg_loss", "actor/moe/aux_loss"])
+        assert -1e-6 < row["actor/rollout_mismatch/k3"] < 1e-3, row["actor/rollout_mismatch/k3"]
+
+
 @pytest.fixture
 def mixed_media_rows(tmp_path):
     """EasyR1-format rows: text only, an image, a video file, a frame list (one of each)."""
@@ -315,6 +339,32 @@ def test_concat_rollouts_left_pads_the_prompt_side():
     )
     torch.testing.assert_close(out["responses"], torch.tensor([[7, 8], [4, 4]]))
     assert out["uid"] == ["a", "b"]
+
+
+def test_concat_rollouts_left_pads_the_routing_like_its_prompts():
+    """Router replay R3 over several generation rounds (issue 54: ``data.mini_rollout_batch_size`` and
+    DAPO's online filtering stopped in Batch.concat with trailing shapes (80, 4, 2) and (88, 4, 2)):
+    each round's (B, P_i+T, layers, k) routing gains the prompt's pad columns on the left, FREE."""
+    from easyvlm.data.batch import ROUTED_EXPERTS_KEY, Batch
+    from easyvlm.models.moe_routing import FREE
+    from easyvlm.trainer.core import concat_rollouts
+
+    def rollout(prompt: list[int], response: list[int], routed: torch.Tensor, uid: str) -> Batch:
+        ids = torch.tensor([prompt + response])
+        return Batch({"prompts": torch.tensor([prompt]), "input_ids": ids,
+                      "attention_mask": torch.ones_like(ids, dtype=torch.bool), "position_ids": torch.arange(ids.shape[1])[None],
+                      "responses": torch.tensor([response]), ROUTED_EXPERTS_KEY: routed}, {"uid": [uid]})
+
+    # 1 MoE layer, top-2; round 1: P = 1, round 2: P = 3; T = 2. Each token's pair of experts is distinct.
+    r1 = rollout([5], [7, 8], torch.tensor([[[[0, 1]], [[2, 3]], [[1, 2]]]], dtype=torch.int16), "a")
+    r2 = rollout([1, 2, 3], [4, 4], torch.arange(10, dtype=torch.int16).reshape(1, 5, 1, 2) % 4, "b")
+    out = concat_rollouts([r1, r2], pad_token_id=9)
+    free = [FREE, FREE]
+    # r1: two FREE columns, then its own three tokens' experts, still aligned with input_ids [9, 9, 5, 7, 8]
+    assert out[ROUTED_EXPERTS_KEY][0, :, 0].tolist() == [free, free, [0, 1], [2, 3], [1, 2]]
+    assert out["input_ids"][0].tolist() == [9, 9, 5, 7, 8]
+    assert out[ROUTED_EXPERTS_KEY][1, :, 0].tolist() == [[0, 1], [2, 3], [0, 1], [2, 3], [0, 1]]  # unchanged
+    assert out[ROUTED_EXPERTS_KEY].dtype == torch.int16
 
 
 def test_cpu_threads_follow_omp_num_threads(monkeypatch):
