@@ -116,7 +116,8 @@ class ModelParams:
     """All parameters."""
     decoder: int
     """Parameters the text decoder multiplies with per token: all text weights except the input
-    embedding table (a lookup), lm_head included."""
+    embedding table (a lookup), lm_head included; of an MoE layer's experts, the share a token is
+    routed to (top-k of E: the active parameters)."""
     vision: int
     """The vision tower (patch embedding, blocks, merger): runs once per image patch."""
 
@@ -150,6 +151,10 @@ def cpu_description(cpuinfo: str | os.PathLike = "/proc/cpuinfo") -> str:
 def model_params(model_dir: str) -> ModelParams:
     from safetensors import safe_open
 
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()  # names as transformers reads them
+    routed = getattr(text, "num_experts_per_tok", 1) / (getattr(text, "num_experts", 0) or 1)  # 1: dense
     total = decoder = vision = 0
     with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
         for name in f.keys():
@@ -159,6 +164,8 @@ def model_params(model_dir: str) -> ModelParams:
             total += numel
             if "visual" in name:
                 vision += numel
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # the fused experts (E, ...)
+                decoder += round(numel * routed)
             elif not name.endswith("embed_tokens.weight"):
                 decoder += numel
     return ModelParams(total, decoder, vision)

@@ -2,7 +2,8 @@
 tokens/s, MFU, peak GPU memory, and the operators of one actor update.
 
     PYTHONPATH=. python bench/gpu_step.py [--shape qwen2.5-vl-3b] [--prompts 16] [--n 8] [--response-length 256]
-        [--image-size 448] [--steps 2] [--rollout auto|hf|vllm] [--peak-tflops T] [key=value ...]
+        [--image-size 448] [--steps 2] [--rollout auto|hf|vllm] [--peak-tflops T] [--expert-parallel-size N]
+        [key=value ...]
     PYTHONPATH=. python bench/gpu_step.py --tiny --steps 1    # the builtin tiny model's shapes, CPU, fp32
 
 The model: random weights with the shapes of ``--shape`` (Qwen2.5-VL-3B or -7B, Qwen3-VL-8B, their
@@ -20,6 +21,10 @@ master weights, gradient checkpointing, padding-free, shared prompts, GRPO with 
 shape's own recipe's micro-batches and offloading: EasyR1's 7B memory settings for 7B and 8B) on one
 device, one PPO mini-batch per step, built as the trainer builds it (``bench_support.bench_plan``;
 trailing ``key=value`` arguments override it); ``--tiny`` uses the demo's (examples/config.yaml).
+``--expert-parallel-size N`` (MoE shapes, qwen3-vl-30b-a3b) adds ``worker.actor.expert_parallel_size=N``
+(the reference follows it) before those arguments, only for N > 1. N must divide the devices and this
+script runs one process on one device, so the config check refuses N > 1 until it runs one process
+per GPU (torchrun); bench/moe_cost_model.py models expert parallelism on 8+ GPUs.
 The trainer's hybrid worker runs in this process (no Ray), each phase timed between
 ``torch.cuda.synchronize()`` calls: weight sync (the actor's full state into the engine), generation,
 old log-probs, reference log-probs, update. Rewards are random (the work does not depend on them);
@@ -119,6 +124,10 @@ def shapes() -> dict[str, Shape]:
         "tiny": Shape(BUILTIN_MODELS["tiny-qwen2.5-vl"]),
         # the CPU benchmarks' ~40 M model (bench/vs_trl.py): with --cpu
         "bench": Shape(BUILTIN_MODELS["bench-qwen2.5-vl"]),
+        # its width as Qwen3-VL-MoE (16 experts, top-2) and the dense twin of equal active parameters
+        # (bench/moe_experts.py): with --cpu
+        "bench-qwen3-vl-moe": Shape(BUILTIN_MODELS["bench-qwen3-vl-moe"]),
+        "bench-qwen3-vl": Shape(BUILTIN_MODELS["bench-qwen3-vl"]),
     }
 
 
@@ -282,15 +291,23 @@ def plan_args(args: argparse.Namespace, model_dir: Path, prompts: Path, work_dir
         f"trainer.save_checkpoint_path={work_dir / 'checkpoints'}", "trainer.n_gpus_per_node=1", "trainer.logger=[console]",
         f"data.min_pixels={min(3136, image_pixels)}", "trainer.val_before_train=false", "trainer.val_freq=-1",
     ]
+    experts = expert_parallel_args(getattr(args, "expert_parallel_size", 1))  # bench/hf_generate.py has none
     if args.cpu:  # one micro-batch of every sample, as the demo's 32 x 8
         samples = args.prompts * args.n
         return example_args(*common, f"data.max_pixels={max(50176, image_pixels)}", "trainer.device=cpu",
                             f"worker.actor.micro_batch_size_per_device_for_update={samples}",
-                            f"worker.actor.micro_batch_size_per_device_for_experience={samples}", *args.overrides)
+                            f"worker.actor.micro_batch_size_per_device_for_experience={samples}", *experts,
+                            *args.overrides)
     attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
     return [f"config={REPO / 'examples' / 'qwen2_5_vl_gpu.yaml'}", *common, *shape.overrides,
             f"data.max_pixels={max(4194304, image_pixels)}", f"worker.actor.model.attn_implementation={attn}",
-            "trainer.device=cuda", *args.overrides]
+            "trainer.device=cuda", *experts, *args.overrides]
+
+
+def expert_parallel_args(size: int) -> list[str]:
+    """The overrides of ``--expert-parallel-size``: none for 1, else the actor's (the reference model
+    follows the actor's expert parallelism)."""
+    return [f"worker.actor.expert_parallel_size={size}"] if size > 1 else []
 
 
 class Clock:
@@ -507,6 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the phases run once more under torch.profiler (default: update)")
     parser.add_argument("--work-dir", default=None, help="where the model and prompts go (default: a temporary "
                         "directory, removed at the end)")
+    parser.add_argument("--expert-parallel-size", type=int, default=1,
+                        help="MoE shapes: worker.actor.expert_parallel_size, passed only when > 1; it must divide "
+                        "the devices, and this script runs one")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run's config")
     return with_workload_defaults(parser.parse_args(argv))
 

@@ -3,7 +3,8 @@
 # EasyR1: qwen3_vl_30b_geo3k_grpo.sh. The 7B recipe's data and algorithm; for the MoE:
 # - R2 router replay: the update routes every token to the experts the old-log-prob pass chose, so
 #   one update's ratios do not jump when a token near a routing tie switches experts (R3, the
-#   sampler's own experts, needs the transformers engine: docs/models.md);
+#   sampler's own experts, comes from vLLM's enable_return_routed_experts on GPUs: wired, not yet
+#   run on a GPU here: docs/models.md);
 # - the model's own load-balancing loss (router_aux_loss_coef: null = its 0.001);
 # - the vision tower frozen, vLLM over 4 GPUs per engine (30 B parameters in bf16), actor and
 #   reference offloaded between phases as in the 7B recipe.

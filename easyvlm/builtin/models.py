@@ -142,6 +142,29 @@ _TINY_QWEN3_5 = replace(
     description="tests and demo base (Qwen3.5)",
 )
 
+# The bench model's decoder sizes (hidden 512, 8 layers, 8 heads of 64) in the Qwen3-VL family: its
+# tower (patch 16, learned positions on a 32 x 32 grid, DeepStack after decoder layer 1), interleaved
+# mRoPE over the 32 rotary pairs (the real models' [24, 20, 20] of 64, halved).
+_BENCH_QWEN3_VL = BuiltinModelSpec(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    mrope_section=(12, 10, 10),
+    vision_depth=4,
+    vision_hidden_size=256,
+    vision_intermediate_size=1024,
+    vision_num_heads=4,
+    vision_fullatt_block_indexes=(),
+    patch_size=16,
+    min_pixels=32 * 32 * 4,
+    max_pixels=32 * 32 * 256,
+    family="qwen3_vl",
+    vision_deepstack_indexes=(1,),
+    vision_num_position_embeddings=1024,
+)
+
 BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     # Tests: builds in seconds, ~0.6 M parameters.
     "tiny-qwen2.5-vl": _TINY,
@@ -193,6 +216,15 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
         vision_num_heads=4,
         vision_fullatt_block_indexes=(1, 3),
         description="benchmarks",
+    ),
+    # MoE at the bench model's width (issue 54): Qwen3-VL-MoE, 16 experts of 1024, top-2 (2 x 1024 active:
+    # the dense twin's MLP width), ~235 M parameters (~33 M active per token); and that dense twin, the
+    # same model with one MLP of 2048 per layer (~42 M). Expert width 1024, not 512: a fused expert
+    # tensor with two equal sizes is ambiguous to transformers' loader (see the tiny MoE models).
+    "bench-qwen3-vl": replace(_BENCH_QWEN3_VL, description="benchmarks (the dense twin of bench-qwen3-vl-moe)"),
+    "bench-qwen3-vl-moe": replace(
+        _BENCH_QWEN3_VL, family="qwen3_vl_moe", num_experts=16, num_experts_per_tok=2, moe_intermediate_size=1024,
+        description="benchmarks (MoE: 16 experts, top-2)",
     ),
 }
 

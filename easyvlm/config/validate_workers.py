@@ -40,6 +40,7 @@ def _check_role(c: Checks, role: str) -> None:
         & c.at_least(f"{p}.micro_batch_size_per_device_for_update", 1)
         & c.at_least(f"{p}.micro_batch_size_per_device_for_experience", 1)
         & c.at_least(f"{p}.ulysses_size", 1)
+        & c.at_least(f"{p}.expert_parallel_size", 1)
         # reported by their own sections' rules; here they only gate the divisibility rules
         & all(c.get(k) >= 1 for k in ("data.rollout_batch_size", "worker.rollout.n", "trainer.nnodes"))
         & (c.cfg.trainer.n_gpus_per_node >= 1)
@@ -76,6 +77,7 @@ def _check_role(c: Checks, role: str) -> None:
         devices = f"{world} = trainer.nnodes x trainer.n_gpus_per_node"
         c.add(f"{p}.ulysses_size", f"({ulysses}) must divide the number of devices ({devices})")
         return
+    _check_expert_parallel(c, p, world, ulysses)
     dp = world // ulysses
     micro = c.get(f"{p}.micro_batch_size_per_device_for_update")
     samples = global_bs * c.n
@@ -129,6 +131,20 @@ def check_actor(c: Checks) -> None:
     _check_vision_cache(c)
 
 
+def _check_expert_parallel(c: Checks, p: str, world: int, ulysses: int) -> None:
+    """{p}.expert_parallel_size: groups of that many ranks split each MoE layer's experts (the model's
+    rules, dense models and the expert count, are easyvlm.plan.checks')."""
+    experts = c.get(f"{p}.expert_parallel_size")
+    if experts == 1:
+        return
+    if world % experts:
+        c.add(f"{p}.expert_parallel_size", f"({experts}) must divide the number of devices ({world} = trainer.nnodes x "
+              f"trainer.n_gpus_per_node): the ranks form groups of expert_parallel_size; e.g. one of {divisors(world)}")
+    if ulysses > 1:
+        c.add(f"{p}.expert_parallel_size", f"({experts}) cannot be combined with {p}.ulysses_size={ulysses} (MoE models "
+              "refuse Ulysses, whose ranks each route a slice of the same row); set ulysses_size=1")
+
+
 def _check_vision_cache(c: Checks) -> None:
     """worker.actor.vision_cache_mb: a budget in MiB, and only for a tower whose outputs never change."""
     p, actor = "worker.actor", c.cfg.worker.actor
@@ -150,10 +166,6 @@ def _check_router(c: Checks) -> None:
         c.add(f"{p}.router_aux_loss_coef", f"must be a finite number >= 0 (0 = off, null = the model's own), got {coef}")
     if actor.router_replay == "disabled":
         return
-    if actor.router_replay == "R3" and c.cfg.worker.rollout.name != "hf":
-        c.add(f"{p}.router_replay", f"R3 replays the experts the sampler chose, which easyvlm records with the "
-              f"transformers engine only; set worker.rollout.name=hf, or router_replay=R2 with "
-              f"worker.rollout.name={c.cfg.worker.rollout.name}")
     if actor.router_replay == "R2" and c.cfg.algorithm.rollout_correction.bypass_mode:
         c.add(f"{p}.router_replay", "R2 records each token's experts in the old-log-prob pass, which "
               "algorithm.rollout_correction.bypass_mode=true skips (the sampler's log-probs are the old ones), so "
@@ -162,6 +174,11 @@ def _check_router(c: Checks) -> None:
     if actor.router_replay == "R3" and (rollout.tools or rollout.environment):
         c.add(f"{p}.router_replay", "R3 records the experts of single-turn samples; multi-turn rollouts "
               "(worker.rollout.tools / environment) do not keep them yet: use router_replay=R2")
+    if actor.router_replay == "R3" and rollout.partial_rollout:
+        c.add(f"{p}.router_replay", "R3 replays the experts the sampler chose, but worker.rollout.partial_rollout=true "
+              "streams samples whose KV (and routing) is recomputed with every new version's weights, and the "
+              "generation stream does not keep routing; set partial_rollout=false (max_staleness alone keeps whole "
+              "batches), or router_replay=R2")
     if actor.ulysses_size > 1:
         c.add(f"{p}.router_replay", f"({actor.router_replay}) cannot run with {p}.ulysses_size > 1 (each rank's "
               "decoder sees a slice of the row); set ulysses_size=1 or router_replay=disabled")

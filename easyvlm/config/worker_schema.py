@@ -52,6 +52,12 @@ class ModelConfig:
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
     """easyvlm extra. Attention kernel: sdpa runs everywhere (CPU included); flash_attention_2 is
     the fast choice on GPUs with flash-attn installed."""
+    experts_implementation: Optional[Literal["grouped_mm", "eager"]] = None
+    """easyvlm extra (transformers' `experts_implementation`). MoE models: how each layer's experts
+    compute. grouped_mm: one grouped matrix product per projection for all experts
+    (`torch.nn.functional.grouped_mm`); eager: transformers' loop, one product per expert hit. Equal
+    within float rounding (docs/models.md). None = grouped_mm (transformers' own default). Expert
+    parallelism computes its local experts as grouped products. A value is refused for dense models."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,12 @@ class ActorConfig:
     """Form micro-batches by a token budget instead of a fixed sample count."""
     ulysses_size: int = 1
     """Ulysses sequence-parallel degree; 1 = off."""
+    expert_parallel_size: int = 1
+    """easyvlm extra. MoE models: the ranks each MoE layer's experts are split over (expert
+    parallelism: each rank of a group of this many holds num_experts / expert_parallel_size whole
+    experts, and tokens go to their experts' ranks and back by all-to-all); 1 = off (every expert
+    FSDP-sharded over all ranks and gathered in each pass). Must divide the number of devices and the
+    model's experts. The reference model and the teacher follow it where they are MoE (docs/models.md)."""
     use_torch_compile: bool = True
     """torch.compile the log-prob and entropy kernels."""
     # here: the entropy bonus's keys, entropy_coeff ... entropy_coeff_max (EntropySettings)
@@ -105,9 +117,10 @@ class ActorConfig:
     """easyvlm extra (verl's router_replay.mode values). MoE models (Qwen3.5-MoE, Qwen3-VL-MoE): which
     experts the training passes route each token to. disabled: the router's own choice in every pass;
     R2: the update replays the experts chosen in the old-log-prob pass; R3 (Rollout Routing Replay,
-    arXiv:2510.11370): the sampler records its experts and the old, reference and update passes replay
-    them (worker.rollout.name=hf). The routing weights stay the current router's probabilities of the
-    replayed experts, so the router still trains. Refused for dense models."""
+    arXiv:2510.11370): the sampler (either engine) records its experts and the old, reference and
+    update passes replay them (single-turn rollouts, no partial_rollout; vLLM on the CPU needs
+    worker.rollout.enforce_eager=true). The routing weights stay the current router's probabilities of
+    the replayed experts, so the router still trains. Refused for dense models."""
     router_aux_loss_coef: Optional[float] = None
     """easyvlm extra. MoE models: weight of the router's load-balancing loss (the model's own, Switch
     Transformer style) added to the actor loss; logged as actor/moe/aux_loss with
@@ -150,6 +163,8 @@ class CriticConfig:
     """Form micro-batches by a token budget instead of a fixed sample count."""
     ulysses_size: int = 1
     """Ulysses sequence-parallel degree; 1 = off."""
+    expert_parallel_size: int = 1
+    """easyvlm extra. MoE value models: expert parallelism (see `worker.actor.expert_parallel_size`); 1 = off."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The value model (a token-classification head on the policy's architecture); used by
     gae only."""

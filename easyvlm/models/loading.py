@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from easyvlm.models.linear_attention import has_linear_attention, segment_linear_attention
-from easyvlm.models.moe_routing import install_replay_routers
+from easyvlm.models.moe_routing import install_replay_routers, is_moe_config
 from easyvlm.models.padding_free import VARLEN_ATTENTION, register_varlen_attention
 from easyvlm.models.paths import local_model_dir
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
@@ -132,7 +132,7 @@ def load_model(
     """Build the model of ``spec`` on the CPU (or, with ``on_meta``, on the meta device).
 
     Applies, in order: attn_implementation (+ varlen attention for the text decoder when
-    ``padding_free``), dtype, the vision tower's batched windows (SDPA towers), segment-aware
+    ``padding_free``), experts_implementation (MoE models), dtype, the vision tower's batched windows (SDPA towers), segment-aware
     linear attention (Qwen3.5, ``padding_free``), replayable MoE routers (policy), LoRA
     (``spec.lora``, policy only), freeze_vision_tower, gradient checkpointing (only when ``trainable``). A frozen
     reference model passes ``trainable=False``: all parameters get ``requires_grad=False``.
@@ -164,6 +164,8 @@ def load_model(
         attn_implementation=attn_implementation_for(hf_config, requested, padding_free),
         trust_remote_code=spec.trust_remote_code,
     )
+    if is_moe_config(hf_config):  # transformers' grouped products unless the model section says eager
+        kwargs["experts_implementation"] = spec.experts_implementation or "grouped_mm"
 
     def build(auto_cls: Any) -> nn.Module:
         if on_meta:

@@ -45,9 +45,11 @@ class RoutingState:
         self.replay: Tensor | None = None  # (N, layers, k) long, FREE = route freely
         self.keep_logits = False
         self.chosen: list[Tensor | None] = [None] * num_layers  # per MoE layer: (N, k) of the last forward
+        self.free: list[Tensor | None] = [None] * num_layers  # per MoE layer, with a replay: (N, k) its own top-k
         self.logits: list[Tensor | None] = [None] * num_layers  # per MoE layer: (N, E), with keep_logits
         self.batch_routing: Tensor | None = None  # the last forward's choices in its batch's layout (the workers')
         self.token_mask: Tensor | None = None  # (N,) the last forward's tokens that count in statistics
+        self.batch_record: Tensor | None = None  # (N, layers, k) the batch's routed_experts there (the workers')
 
     @contextmanager
     def forward(self, replay: Tensor | None = None, keep_logits: bool = False) -> Iterator["RoutingState"]:
@@ -58,6 +60,7 @@ class RoutingState:
                              f"got {tuple(replay.shape)}")
         self.replay, self.keep_logits = replay, keep_logits
         self.chosen = [None] * self.num_layers
+        self.free = [None] * self.num_layers
         self.logits = [None] * self.num_layers
         try:
             yield self
@@ -73,6 +76,12 @@ class RoutingState:
         if missing:
             raise RuntimeError(f"MoE layers {missing} did not run in the last forward: nothing to record")
         return torch.stack([c for c in self.chosen if c is not None], dim=1)
+
+    def free_choices(self) -> Tensor:
+        """(N, layers, k) int64: the experts every router of the last forward would have chosen by its
+        own logits (what it chose, where nothing was replayed)."""
+        chosen = self.recorded()
+        return torch.stack([f if f is not None else chosen[:, i] for i, f in enumerate(self.free)], dim=1)
 
 
 class ReplayRouter(nn.Module):
@@ -97,6 +106,7 @@ class ReplayRouter(nn.Module):
                 raise ValueError(f"routing replay of {replay.shape[0]} tokens for a forward of {hidden_states.shape[0]}")
             chosen = replay[:, self.layer].to(device=top_index.device, dtype=top_index.dtype)
             free = (chosen == FREE).any(-1, keepdim=True)
+            self.state.free[self.layer] = top_index.detach()  # what replay overrides (actor/moe/routing_mismatch)
             top_index = torch.where(free, top_index, chosen)
             top_values = probs.gather(-1, top_index)
         top_values = top_values / top_values.sum(dim=-1, keepdim=True)

@@ -38,6 +38,8 @@ class ModelSpec:
     """None: no adapters (full fine-tuning, and always for the reference model and the critic)."""
     freeze_vision_tower: bool
     gradient_checkpointing: bool
+    experts_implementation: Optional[str] = None
+    """MoE models: transformers' ``experts_implementation`` (grouped_mm, eager); None = grouped_mm."""
     model_path: str = ""
     """The model as the config names it (``builtin:<name>``, a hub id or an absolute local
     directory); "" = only ``model_dir`` is known. Workers load

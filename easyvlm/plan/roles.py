@@ -12,12 +12,14 @@ from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
+from easyvlm.models.moe_routing import is_moe_config
 from easyvlm.models.specs import ModelBundle, ModelSpec, TokenIds
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import EngineSpec, RolloutSpec, Sampling
 from easyvlm.workers.specs import (
     ActorSpec, CriticSpec, ForwardSpec, MicroBatching, PolicyLossSpec, RefSpec, RewardModelSpec, UpdateSpec,
 )
+from easyvlm.plan.checks import moe_model_problems
 from easyvlm.plan.models import load_bundle, model_spec
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
@@ -104,8 +106,6 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
 def router_aux_loss_coef(configured: float | None, hf_config: Any) -> float:
     """The load-balancing loss's weight: the configured one, or the MoE model's own
     (``router_aux_loss_coef`` of its text config); 0 for dense models (the check refuses a value)."""
-    from easyvlm.models.moe_routing import is_moe_config
-
     if not is_moe_config(hf_config):
         return 0.0
     if configured is not None:
@@ -148,6 +148,12 @@ def teacher_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RefSpec]:
     problem = teacher_problem(bundle, model.model_dir, model.hf_config, teacher.model.trust_remote_code)
     if problem is not None:
         raise ConfigError([Problem(f"{key}.model_path", f"{teacher.model.model_path} ({model.model_dir}): {problem}")])
+    experts = cfg.worker.actor.expert_parallel_size
+    if is_moe_config(model.hf_config) and experts > 1:  # an MoE teacher follows the actor's expert parallelism
+        problems = moe_model_problems("worker.actor", experts, None, model.hf_config)
+        if problems:
+            raise ConfigError([Problem(p.key, f"{p.message} (the teacher {teacher.model.model_path}, which follows "
+                                       "the actor's expert parallelism)") for p in problems])
     forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens, _vision_language(bundle)), router_replay="disabled")  # its own experts
     return settings_of(RefSpec, teacher, model=model, forward=forward)
 
@@ -210,8 +216,13 @@ def critic_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> Critic
         freeze_vision_tower=critic.model.freeze_vision_tower,
         gradient_checkpointing=critic.model.enable_gradient_checkpointing,
         attn_implementation=critic.model.attn_implementation,
+        experts_implementation=critic.model.experts_implementation,
         trust_remote_code=critic.model.trust_remote_code,
     )
+    problems = moe_model_problems("worker.critic", critic.expert_parallel_size, critic.model.experts_implementation,
+                                  model.hf_config)
+    if problems:
+        raise ConfigError(problems)
     return settings_of(
         CriticSpec, critic,
         model=model,

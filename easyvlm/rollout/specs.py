@@ -30,7 +30,7 @@ class EngineSpec:
     device: str
     """``cpu`` or ``cuda``."""
     dtype: str
-    """Canonical: bf16, fp16 or fp32 (the CPU runs fp32 whatever it says)."""
+    """Canonical: bf16, fp16 or fp32 (the CPU runs ``cpu_dtype`` whatever it says)."""
     seed: int
     max_model_len: int
     max_num_batched_tokens: int
@@ -55,6 +55,10 @@ class EngineSpec:
     record_routing: bool = False
     """MoE policies with ``worker.actor.router_replay=R3``: the engine returns each token's experts
     (``routed_experts``) with the samples."""
+    cpu_dtype: str = "fp32"
+    """The vLLM engine's dtype on the CPU: fp32, so that its log-probs match the float32 actor's. No
+    config key sets another; ``bench/router_replay_gap.py`` runs bf16 to measure router replay where
+    the sampler's precision differs from the trainer's."""
 
 
 @dataclass(frozen=True)

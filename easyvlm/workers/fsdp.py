@@ -153,6 +153,7 @@ def block_class_names(model: nn.Module) -> set[str]:
 
 def apply_fsdp(
     model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key: str = "fsdp", shard_vision_blocks: bool = True,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """Shard ``model`` in place as ``fsdp_plan(fsdp, world_size, device.type)`` says, over all
     ranks of the default process group; returns it. Collective: every rank calls it alike.
@@ -163,6 +164,8 @@ def apply_fsdp(
     ``key`` names the role's fsdp section in errors (e.g. ``worker.actor.fsdp``).
     ``shard_vision_blocks=False`` (a frozen tower behind the vision cache, easyvlm.models.vision_cache):
     the tower's blocks join the root's unit, so running the tower on one rank only needs no collective.
+    ``expert_parallel_size`` > 1 (MoE models): each rank keeps its share of the experts, which FSDP
+    leaves alone (``easyvlm.models.expert_parallel``).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -189,6 +192,11 @@ def apply_fsdp(
 
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     kwargs = fully_shard_kwargs(plan)
+    if expert_parallel_size > 1:
+        from easyvlm.models.expert_parallel import expert_parallel_group, shard_experts
+
+        experts = shard_experts(model, expert_parallel_group(expert_parallel_size, device), device)
+        kwargs["ignored_params"] = set(experts)
     blocks = block_class_names(model)
     tower = get_vision_tower(model)
     unsharded = set() if shard_vision_blocks or tower is None else set(tower.modules())

@@ -51,7 +51,7 @@ class RefWorker:
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
             padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key=f"{section}.fsdp",
-            shard_vision_blocks=not spec.forward.vision_cache_mb,
+            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=spec.forward.expert_parallel_size,
         )
         self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None
         # MoE: the routers' state (R3 replays the sampler's experts here too; workers/routing.py)

@@ -25,17 +25,20 @@ def routed_forward(setup: Any, batch: Batch, token_index: Tensor | None,
     """Run one model forward over ``batch`` (packed: ``token_index``, ``padded_to_packed`` of
     ``pack_inputs``; padded: None) with the routing its ``setup`` (``forward.ForwardSetup``) asks
     for: replay ``routed_experts`` unless the setup's mode is disabled, keep the router logits in a
-    training pass. Afterwards ``setup.routing.batch_routing`` holds the (B, L, layers, k) choices
-    and ``token_mask`` the forward's sample tokens. Dense models: nothing."""
+    training pass. Afterwards ``setup.routing.batch_routing`` holds the (B, L, layers, k) choices,
+    ``token_mask`` the forward's sample tokens and ``batch_record`` the batch's ``routed_experts``
+    over its tokens (replayed or not). Dense models: nothing."""
     state = setup.routing
     if state is None:
         yield
         return
-    replay = replay_tokens(batch, setup.router_replay, token_index, setup.device)
+    record = routing_tokens(batch, token_index, setup.device)
+    replay = None if setup.router_replay == "disabled" else record
     with state.forward(replay=replay, keep_logits=setup.keep_router_logits and torch.is_grad_enabled()):
         yield
     state.batch_routing = padded_routing(state.recorded(), batch["attention_mask"], padded_to_packed)
     state.token_mask = sample_tokens(batch, token_index).to(setup.device)
+    state.batch_record = record  # for routing_metrics: computed only where logged (no device sync per pass)
 
 
 def sample_tokens(batch: Batch, token_index: Tensor | None) -> Tensor:
@@ -49,15 +52,28 @@ def sample_tokens(batch: Batch, token_index: Tensor | None) -> Tensor:
     return tokens if token_index is None else tokens[token_index.to(tokens.device)]
 
 
-def replay_tokens(batch: Batch, mode: str, token_index: Tensor | None, device: torch.device) -> Tensor | None:
-    """The (N, layers, k) replay of a forward over ``batch``'s tokens in the model's order (the packed
-    row's ``token_index`` into the flattened (B, L), or every position of the padded batch), or None
-    when the pass routes freely (``mode`` disabled, or nothing recorded in the batch)."""
-    if mode == "disabled" or ROUTED_EXPERTS_KEY not in batch:
+def routing_tokens(batch: Batch, token_index: Tensor | None, device: torch.device) -> Tensor | None:
+    """``batch``'s recorded routing (``routed_experts``) over a forward's tokens in the model's order,
+    (N, layers, k) int64, or None when it has none."""
+    if ROUTED_EXPERTS_KEY not in batch:
         return None
     routed = batch[ROUTED_EXPERTS_KEY].to(device)  # (B, L, layers, k)
     flat = routed.reshape(-1, *routed.shape[2:]).long()
     return flat if token_index is None else flat[token_index]
+
+
+def routing_mismatch(free: Tensor, record: Tensor, token_mask: Tensor) -> float | None:
+    """The share of the sample tokens (``token_mask``) with a record whose own top-k experts
+    (``free``, (N, layers, k)) differ from the recorded ones in at least one MoE layer, each compared
+    as a set of k; None when no such token has a record. Under R3 it is how often the trainer would
+    route a token otherwise than the sampler did, under R2 (the update) otherwise than the
+    old-log-prob pass."""
+    recorded = token_mask.to(record.device) & (record != FREE).all(-1).all(-1)
+    count = int(recorded.sum())
+    if count == 0:
+        return None
+    differs = (free.sort(-1).values != record.sort(-1).values).any(-1).any(-1)
+    return float((differs & recorded).sum()) / count
 
 
 def padded_routing(recorded: Tensor, attention_mask: Tensor, padded_to_packed: Tensor | None) -> Tensor:
@@ -88,9 +104,14 @@ def with_routing_rows(routed: Tensor, rows: int, columns: int) -> Tensor:
 def routing_metrics(state: RoutingState) -> dict[str, float]:
     """actor/moe/expert_load_{max,min} of the last forward's sample tokens: the busiest and idlest
     expert's share of the routed token slots times the expert count, over every MoE layer (1.0 =
-    balanced)."""
+    balanced); actor/moe/routing_mismatch where the batch carries routing (:func:`routing_mismatch`)."""
     load = expert_load(state.recorded()[state.token_mask.to(state.recorded().device)], state.num_experts)
-    return {"moe/expert_load_max": float(load.max()), "moe/expert_load_min": float(load.min())}
+    metrics = {"moe/expert_load_max": float(load.max()), "moe/expert_load_min": float(load.min())}
+    if state.batch_record is not None:  # the batch carries routing (R2's update, R3)
+        mismatch = routing_mismatch(state.free_choices(), state.batch_record, state.token_mask)
+        if mismatch is not None:
+            metrics["moe/routing_mismatch"] = mismatch
+    return metrics
 
 
 def aux_loss(state: RoutingState) -> Tensor:

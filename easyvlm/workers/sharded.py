@@ -9,6 +9,7 @@ from torch import nn
 from easyvlm.workers.settings import FSDPConfig
 from easyvlm.models.cpu_linear import onednn_linear_available, use_onednn_linears
 from easyvlm.models.loading import ModelRole, load_model
+from easyvlm.models.moe_routing import is_moe_config
 from easyvlm.models.specs import ModelSpec
 from easyvlm.workers.fsdp import apply_fsdp, fsdp_plan
 
@@ -25,16 +26,21 @@ def build_sharded_model(
     rank: int,
     key: str,
     shard_vision_blocks: bool = True,
+    expert_parallel_size: int = 1,
 ) -> nn.Module:
     """The model of ``spec`` under FSDP2 as ``fsdp`` (config key ``key``) asks. Collective: every
     rank calls it; with ``enable_rank0_init`` only rank 0 reads the weights, the others build the
     model on the meta device and receive their shards from rank 0 (easyvlm.workers.fsdp). On the
     CPU its float32 linear layers run through oneDNN (easyvlm.models.cpu_linear: the same arithmetic,
-    ~2x faster than MKL on AMD CPUs). ``shard_vision_blocks``: see ``apply_fsdp``."""
+    ~2x faster than MKL on AMD CPUs). ``shard_vision_blocks``: see ``apply_fsdp``.
+    ``expert_parallel_size``: the role's expert parallelism, for an MoE model (a dense one ignores it:
+    the teacher beside an MoE policy may be dense)."""
     plan = fsdp_plan(fsdp, dist.get_world_size(), device.type, key=key)
     loaded = load_model(
         spec, role=role, dtype=dtype, padding_free=padding_free, trainable=trainable, on_meta=not plan.loads_weights(rank)
     )
     if device.type == "cpu" and dtype == torch.float32 and onednn_linear_available():
         use_onednn_linears(loaded.model)
-    return apply_fsdp(loaded.model, fsdp, device, key=key, shard_vision_blocks=shard_vision_blocks)
+    experts = expert_parallel_size if is_moe_config(spec.hf_config) else 1
+    return apply_fsdp(loaded.model, fsdp, device, key=key, shard_vision_blocks=shard_vision_blocks,
+                      expert_parallel_size=experts)

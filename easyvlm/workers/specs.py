@@ -51,6 +51,9 @@ class ForwardSpec:
     router_replay: str = "disabled"
     """MoE policies: disabled, R2 (the actor records in its old-log-prob pass, replays in the update)
     or R3 (every pass replays the sampler's experts); ``easyvlm.workers.routing``."""
+    expert_parallel_size: int = 1
+    """MoE models: ranks each MoE layer's experts are split over (``easyvlm.models.expert_parallel``);
+    1 = off. A dense model (e.g. a dense teacher beside an MoE policy) ignores it."""
 
 
 @dataclass(frozen=True)

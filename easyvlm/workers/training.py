@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from easyvlm.data.batch import Batch
+from easyvlm.models.expert_parallel import reduce_expert_grads
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.workers.settings import FSDPConfig
 from easyvlm.workers.specs import MicroBatching
@@ -105,16 +106,36 @@ def clip_and_step(
 ) -> tuple[float, bool]:
     """Clip gradients to ``max_grad_norm`` and step, unless the loss (on any rank) or the global
     gradient norm is not finite. Returns (grad_norm, stepped); gradients are zeroed either way."""
+    reduce_expert_grads(model)  # expert parallelism: the experts' gradients as FSDP gives the others'
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_grad_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
+    grad_norm = float(clip_grad_norm(params, max_grad_norm))
     stepped = not nonfinite_loss and bool(np.isfinite(grad_norm))
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, stepped
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
+    """torch's ``clip_grad_norm_`` (the total 2-norm of the gradients, scaled down to ``max_norm``),
+    for parameters that may live on several device meshes: FSDP2's and, with expert parallelism,
+    the experts' (easyvlm.models.expert_parallel), whose norms DTensor cannot combine. Each mesh's
+    norm is reduced over its own ranks and the squares summed. Returns the total norm (a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
+    if len(by_mesh) <= 1:  # one mesh (or none): torch's own, as before expert parallelism
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]).square().sum().sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s
+    torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params
+                         if p.grad is not None], coef)
+    return total
 
 
 # ------------------------------------------------------------------------------------------------

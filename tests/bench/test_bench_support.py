@@ -7,6 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import torch  # noqa: E402
 from bench_support import ModelParams, essential_flops  # noqa: E402
 
 
@@ -112,3 +113,24 @@ def test_cpu_description_names_the_model_generation_isa_and_caps(tmp_path, monke
     assert cpu_description(tmp_path / "zen4") == (
         "AMD EPYC; family 25 model 17; AVX-512 (avx512_bf16); "
         "capped by ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2")
+
+
+def test_model_params_count_an_moe_layers_active_experts(easyvlm_cache_dir):
+    """builtin:tiny-qwen3-vl-moe: 4 experts of 48, top-2, hidden 128, 2 layers. Each layer's fused
+    experts hold 4 x (2 x 48 x 128 + 128 x 48) = 73,728 parameters, of which a token multiplies with
+    2 of 4: 36,864. The decoder's per-token count is the dense sum minus the other half."""
+    from bench_support import model_params
+    from safetensors import safe_open
+
+    from easyvlm.builtin.models import materialize_model
+
+    model_dir = materialize_model("tiny-qwen3-vl-moe", cache_dir=easyvlm_cache_dir)
+    params = model_params(str(model_dir))
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        sizes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    experts = sum(s[0] * s[1] * s[2] for name, s in sizes.items() if ".experts." in name)
+    assert experts == 2 * 4 * (2 * 48 * 128 + 128 * 48) == 147_456
+    dense = sum(int(torch.tensor(s).prod()) for name, s in sizes.items()
+                if "visual" not in name and not name.endswith("embed_tokens.weight"))
+    assert params.decoder == dense - experts // 2
+    assert params.total == sum(int(torch.tensor(s).prod()) for s in sizes.values())

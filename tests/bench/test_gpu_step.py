@@ -189,6 +189,21 @@ def test_the_gpu_runs_plan_has_the_recipes_settings(shape, tiny_model_path, tmp_
     assert (micro, offload) == (((4, 16), (False, False)) if shape == "qwen2.5-vl-3b" else ((1, 2), (True, True)))
 
 
+def test_expert_parallel_size_reaches_the_overrides_only_above_1(tmp_path):
+    """--expert-parallel-size N > 1 adds the actor's key (the reference follows it) before the
+    trailing overrides, which still win; 1 adds nothing."""
+
+    def experts(*argv):
+        args = gpu_step.parse_args(["--shape", "qwen3-vl-30b-a3b", *argv])
+        return [a for a in gpu_step.plan_args(args, tmp_path, tmp_path / "p.jsonl", tmp_path, "hf")
+                if a.split("=")[0].endswith(".expert_parallel_size")]
+
+    assert experts() == experts("--expert-parallel-size", "1") == []
+    assert experts("--expert-parallel-size", "4", "worker.actor.expert_parallel_size=2") == [
+        "worker.actor.expert_parallel_size=4", "worker.actor.expert_parallel_size=2"]
+    assert experts("--cpu", "--expert-parallel-size", "2") == ["worker.actor.expert_parallel_size=2"]
+
+
 # ------------------------------------------------------------------------------------ end to end
 @pytest.mark.slow
 def test_tiny_run_ends_with_one_json_line_of_finite_positive_figures():

@@ -49,6 +49,9 @@ ROLLOUT = "tests/rollout/test_rollout_base.py"
 VLLM = "tests/rollout/test_vllm.py"
 VISION_CACHE = "tests/workers/test_vision_cache.py"
 
+# MoE experts: the keys in the plan (an MoE model: the dense test model refuses them) and expert parallelism on 2 ranks
+EXPERT_PLAN = "tests/plan/test_expert_parallel_plan.py::test_expert_keys_reach_every_role"
+EXPERT_PARALLEL = "tests/workers/test_expert_parallel.py::test_expert_parallel_equals_experts_sharded_by_fsdp"
 CORRECTION = "tests/algorithms/test_rollout_correction.py"
 SEPARATE = "tests/trainer/test_e2e_separate_rollout.py::TestSeparateRollout"
 SERVICE = "tests/trainer/test_rollout_service.py"
@@ -198,6 +201,7 @@ def _trained(role: str) -> list[tuple[str, Entry]]:
                 f"{ACTOR}::test_dynamic_batching_gives_the_same_logprobs", via=("dynamic",)),
         effects(f"{p}.ulysses_size", PLAN, f"{DERIVED}::test_gae_critic_ulysses_and_overrides",
                 "tests/models/test_ulysses.py::test_ulysses_layout_by_hand"),
+        effects(f"{p}.expert_parallel_size", EXPERT_PLAN, EXPERT_PARALLEL),  # the critic builds its model as the actor does
         *_model(role),
         *_optim(role),
         *_fsdp(role),
@@ -216,6 +220,7 @@ def _model(role: str) -> list[tuple[str, Entry]]:
         effects(f"{p}.freeze_vision_tower", PLAN, f"{MODELS}::test_freeze_vision_tower"),
         # sdpa / eager run everywhere; flash attention falls back to sdpa without CUDA
         effects(f"{p}.attn_implementation", PLAN, f"{MODELS}::test_flash_attention_falls_back_to_sdpa_without_cuda"),
+        effects(f"{p}.experts_implementation", EXPERT_PLAN, "tests/models/test_moe_experts.py::test_grouped_experts_equal_the_eager_loop"),
     ]
     if role == "actor":
         rows += [

@@ -264,10 +264,20 @@ RULES = [
       "worker.judge.model_path=builtin:tiny-qwen2.5-vl", "worker.judge.template=format_prompts/judge.jinja",
       "worker.judge.parser=reward_functions/judge.py:parse_yes_no"], "worker.rollout.one_step_off", "not supported with worker.judge"),
     (["algorithm.rollout_correction.rollout_is=sequence", "worker.actor.loss_type=./loss.py:mine"], "algorithm.rollout_correction.rollout_is", "is a plug-in"),
+    # expert parallelism (the model-dependent rules: tests/plan/test_checks.py)
+    (["worker.actor.expert_parallel_size=3", "trainer.n_gpus_per_node=4"], "worker.actor.expert_parallel_size",
+     "(3) must divide the number of devices (4 = trainer.nnodes x trainer.n_gpus_per_node): the ranks form groups of "
+     "expert_parallel_size; e.g. one of [1, 2, 4]"),
+    (["worker.actor.expert_parallel_size=0"], "worker.actor.expert_parallel_size", "must be >= 1"),
+    (["worker.actor.expert_parallel_size=2", "worker.actor.ulysses_size=2", "trainer.n_gpus_per_node=2"],
+     "worker.actor.expert_parallel_size", "(2) cannot be combined with worker.actor.ulysses_size=2"),
+    (["algorithm.adv_estimator=gae", "worker.critic.model.model_path=builtin:tiny-qwen2.5-vl",
+      "worker.critic.expert_parallel_size=4"], "worker.critic.expert_parallel_size", "(4) must divide the number of devices (2"),
     # MoE routing (the model-dependent rules: tests/plan/test_checks.py)
     (["worker.actor.router_aux_loss_coef=-0.1"], "worker.actor.router_aux_loss_coef", "must be a finite number >= 0"),
-    (["worker.actor.router_replay=R3", "worker.rollout.name=vllm"], "worker.actor.router_replay",
-     "records with the transformers engine only; set worker.rollout.name=hf, or router_replay=R2"),
+    (["worker.actor.router_replay=R3", "worker.rollout.placement=separate", "worker.rollout.max_staleness=1",
+      "worker.rollout.partial_rollout=true"], "worker.actor.router_replay",
+     "the generation stream does not keep routing; set partial_rollout=false"),
     (["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.rollout.tools=[image_zoom]"],
      "worker.actor.router_replay", "multi-turn rollouts (worker.rollout.tools / environment) do not keep them"),
     (["worker.actor.router_replay=R2", "algorithm.rollout_correction.bypass_mode=true"], "worker.actor.router_replay",
@@ -325,6 +335,7 @@ ACCEPTED = [
      "worker.rollout.max_tokens_per_turn=16", "worker.rollout.tool_timeout=2.5"],
     ["worker.rollout.environment=./game.py:Game", "worker.rollout.max_turns=8"],
     ["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.actor.router_aux_loss_coef=0"],
+    ["worker.actor.router_replay=R3", "worker.rollout.name=vllm"],  # vLLM records routing too (rollout/vllm_routing.py)
 ]
 
 

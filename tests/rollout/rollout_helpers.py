@@ -112,6 +112,29 @@ def recompute_logprobs(model: Any, rollout: Batch, temperature: float, blocked_t
     return logits.log_softmax(-1).gather(-1, rollout["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+def reference_experts(model: Any, rollout: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """What transformers' own unmodified routers choose over the finished rows (prompt + response),
+    one forward with the rows' own positions and images: (B, L, layers, k) top-k experts, and (B, L,
+    layers) the gap between the k-th and (k+1)-th router probability (a choice is only comparable
+    across kernels where it is not a near-tie)."""
+    k = model.config.get_text_config().num_experts_per_tok
+    items = rollout["multi_modal_inputs"]
+    images = [i for i in items if i and "pixel_values" in i]
+    extra = {}
+    if images:
+        extra = {"pixel_values": torch.cat([i["pixel_values"] for i in images]),
+                 "image_grid_thw": torch.cat([i["image_grid_thw"] for i in images])}
+    with torch.no_grad():
+        logits = model(input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"].long(),
+                       position_ids=rollout["position_ids"].transpose(0, 1), output_router_logits=True,
+                       **extra).router_logits
+    B, L = rollout["input_ids"].shape
+    probs = torch.stack([layer.float().softmax(-1) for layer in logits], dim=1)  # (B * L, layers, E)
+    top = probs.topk(k + 1, dim=-1)
+    gap = top.values[..., k - 1] - top.values[..., k]
+    return top.indices[..., :k].reshape(B, L, len(logits), k), gap.reshape(B, L, len(logits))
+
+
 PROMPTS = [
     ("What shape is in the picture?", [(0, (56, 84))]),
     ("Count the objects in both images.", [(1, (56, 56)), (2, (84, 56))]),

