@@ -44,6 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
+from easyvlm.rollout.staleness import StalenessBound
+
+NO_LIMIT = 2**62  # no checkpoint pauses the model's admission
+
 ADMISSIONS = ("demand", "eager")
 
 
@@ -129,6 +133,7 @@ class _Sim:
         self.trained: list[tuple[float, list[int], int]] = []  # (busy seconds, groups, trainer version)
         self.snapshot = (0.0, 0.0)
         self.overflows = 0  # steps where the rule alone had more than B groups to take
+        self.bound = StalenessBound(s.staleness, s.prompts)  # easyvlm's admission and selection rules
 
     def step_time(self, b: int) -> float:
         return self.s.step_floor_s + self.s.step_per_seq_s * b
@@ -166,12 +171,12 @@ class _Sim:
     def admit(self, t: float) -> None:
         """Admit groups (``Setup.admission``) and start them on engines with room."""
         s, touched = self.s, set()
-        cap = (self.version + 1 + s.staleness) * s.prompts
+        cap = self.bound.admission_cap(self.version, NO_LIMIT)
         demand = s.admission == "demand"
-        # easyvlm's GroupStream._may_admit: a batch when the engines (< B generating) and the
-        # trainer (< B complete, untrained) are both short of groups, within the bound
-        while (demand and sum(self.in_flight.values()) < s.prompts and len(self.done) < s.prompts
-               and self.admitted + s.prompts <= cap):
+        # easyvlm's rule itself (GroupStream._may_admit): a batch when the engines (< B generating)
+        # and the trainer (< B complete, untrained) are both short of groups, within the bound
+        while demand and self.bound.may_admit(self.version, NO_LIMIT, self.admitted, sum(self.in_flight.values()),
+                                              len(self.done)):
             self.queued.extend(self.new_group() for _ in range(s.prompts))
         while self.queued if demand else self.admitted < cap:
             free = [i for i, e in enumerate(self.engines)
@@ -210,34 +215,30 @@ class _Sim:
         self.try_train(t)
 
     def try_train(self, t: float) -> None:
-        """Step p + 1's batch, or wait: easyvlm's GroupStream._choose. Level m = 0: every group
-        admitted at version <= p - k (R_0 of them). With ``lookahead`` the step also takes, for
-        m = 1 .. k - 1, R_m = U(<= p - k + m) - m * B groups admitted at version <= p - k + m (U:
-        untrained, complete or not; less those already chosen), so that no later step has more than
-        B groups it must take; each level the first completed; then the first completed of any
-        version up to B. For k = 0 level 0 is every untrained group (at most B under the bound),
-        which _choose (no levels) reaches by taking the first B complete. Where _choose would wait
-        for good (more must-take groups than fit), the model trains the oldest B and counts an
-        overflow: never seen with lookahead (the tests check it)."""
+        """Step p + 1's batch, or wait: easyvlm's rule itself (``StalenessBound.choose``, which
+        GroupStream._choose calls), with ``lookahead``. Without it, the earlier rule, modelled here:
+        level m = 0 only (every group admitted at version <= p - k), then the first completed up to
+        B; where more groups must go than fit, the oldest B train and the step counts an overflow."""
         s, p, B, k = self.s, self.version, self.s.prompts, self.s.staleness
         if self.train_end is not None or len(self.done) < B:
             return
         untrained = dict(self.in_flight)
         for g in self.done:
             untrained[self.g_version[g]] = untrained.get(self.g_version[g], 0) + 1
-        batch: list[int] = []
-        for m in range(max(k, 1)) if s.lookahead else [0]:
-            cap = p - k + m
-            extra = sum(c for v, c in untrained.items() if v <= cap) - m * B
-            extra -= sum(self.g_version[g] <= cap for g in batch)
-            pool = [g for g in self.done if self.g_version[g] <= cap and g not in batch]
-            if extra > len(pool):
+        if s.lookahead:
+            batch = self.bound.choose(p, untrained, [(g, self.g_version[g]) for g in self.done])
+            if batch is None:
                 return  # a group that cannot wait longer is still generating
-            if extra > B - len(batch):  # only without lookahead: more groups must go than fit
-                pool.sort(key=lambda g: self.g_version[g])  # the oldest B; the rest goes stale
+        else:
+            due = sum(c for v, c in untrained.items() if v <= p - k)
+            pool = [g for g in self.done if self.g_version[g] <= p - k]
+            if due > len(pool):
+                return
+            if due > B:  # more groups must go than fit: the oldest B; the rest goes stale
+                pool.sort(key=lambda g: self.g_version[g])
                 self.overflows += 1
-            batch += pool[: max(0, min(extra, B - len(batch)))]
-        batch += [g for g in self.done if g not in batch][: B - len(batch)]
+            batch = pool[: min(due, B)]
+            batch += [g for g in self.done if g not in batch][: B - len(batch)]
         taken = set(batch)
         self.done = [g for g in self.done if g not in taken]
         busy = sum(self.g_tokens[g] for g in batch) / (s.train_tok_s * s.trainer_gpus) + s.sync_s

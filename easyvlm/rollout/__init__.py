@@ -1,6 +1,22 @@
-"""Rollout: sample responses for prompt Batches (vLLM or transformers generate) and sync weights."""
+"""Rollout: sample responses for prompt Batches (vLLM or transformers generate) and sync weights.
 
-from easyvlm.rollout.base import RolloutEngine, sampling_with_overrides
-from easyvlm.rollout.factory import build_rollout
+The package's names load on first use, so that the pure modules (``staleness``) import without torch
+(bench/cluster_model.py reads the staleness bound from there)."""
+
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["RolloutEngine", "build_rollout", "sampling_with_overrides"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("RolloutEngine", "sampling_with_overrides"):
+        from easyvlm.rollout import base
+
+        return getattr(base, name)
+    if name == "build_rollout":
+        from easyvlm.rollout.factory import build_rollout
+
+        return build_rollout
+    raise AttributeError(f"module 'easyvlm.rollout' has no attribute {name!r}")

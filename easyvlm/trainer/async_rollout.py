@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import Counter
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from ray.exceptions import RayActorError
 
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import TRAIN_CALL
+from easyvlm.rollout.staleness import StalenessBound
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.sampling import StepSamples, filter_error, kept_groups
@@ -49,7 +51,8 @@ class Producer:
 
     def __init__(self, service: Any):
         self.service, self.cond = service, service.cond
-        self.k = service.spec.max_staleness
+        # the bound's rules (easyvlm/rollout/staleness.py), which the service checks every batch against
+        self.bound = StalenessBound(service.spec.max_staleness, service.spec.prompt_groups)
         self.limit = 0  # the last step whose prompts may be drawn (the next checkpoint's)
         self.error: BaseException | None = None
         self.stopping = False
@@ -139,10 +142,9 @@ class BatchesAhead(Producer):
             with self.cond:
                 # one batch ahead of the trainer's requests, so that the engine's calls (and a
                 # validation between them) come in the same order whatever the timing
-                if not self.wait_until(lambda: step <= min(self.limit, self.taken + 1)
-                                       and service.version >= step - 1 - self.k):
+                if not self.wait_until(lambda: self.bound.batch_may_start(step, service.version, self.taken, self.limit)):
                     return
-                version = max(step - 1 - self.k, self.floor)
+                version = self.bound.batch_version(step, self.floor)
                 for old in [v for v in service.published if v < version]:  # no later batch needs them
                     del service.published[old]
             prompts = next(service._prompts())
@@ -197,20 +199,9 @@ class GroupStream(Producer):
         return self.service.spec.prompt_groups
 
     def _may_admit(self, version: int) -> bool:
-        """Another prompt batch goes into play when the engines are short of work (less than B
-        groups generating) and the trainer of samples (less than B complete), within the bound: at
-        most (version + 1 + k) x B groups admitted in all, none past the next checkpoint's step.
-        On demand, not as far as the bound allows: an engine quicker than the trainer then stays
-        one step ahead (staleness 1, generation still overlapped with training) instead of k
-        (measured: docs/benchmarks.md, "Asynchronous rollout"). Known cost, predicted by
-        bench/cluster_model.py and not yet measured: with long tails a batch's few long samples
-        keep B groups "generating" and block admission while the engines have room, 13-38 %
-        slower than eager admission at 16-64 GPUs with k >= 2 (docs/cluster_model.md); counting
-        unfinished sequences instead of groups is the fix to try."""
-        cap = min(version + 1 + self.k, self.limit) * self.prompt_groups
+        """Another prompt batch goes into play (``StalenessBound.may_admit``: on demand, within the bound)."""
         generating = sum(1 for g in self.groups.values() if g.batch is None)
-        wanted = generating < self.prompt_groups and len(self.completed) < self.prompt_groups
-        return wanted and self.in_play + self.prompt_groups <= cap
+        return self.bound.may_admit(version, self.limit, self.in_play, generating, len(self.completed))
 
     def _in_flight(self) -> bool:
         return any(g.batch is None for g in self.groups.values())
@@ -336,29 +327,9 @@ class GroupStream(Producer):
                 self.cond.notify_all()
 
     def _choose(self, version: int) -> list[tuple[int, int]] | None:
-        """The B complete groups the step at ``version`` trains on, or None (wait for more).
-
-        A group admitted at version v must be trained at version v + k at the latest. For
-        m = 0 .. k-1, the groups admitted at versions <= version - k + m must all be trained by
-        this step and the m after it, which take at most B each: this step takes at least
-        (their number) - m x B of them (m = 0: every group that cannot wait longer), the ones that
-        completed first, and waits while too few of them are complete. The rest of its B are the
-        first completed of any version: the freshest samples that keep the bound. (Taking only
-        the m = 0 groups, then the first completed, lets young groups overtake slow old ones until
-        a later step has more than B groups it must take: found with bench/cluster_model.py, whose
-        selection is this one.)"""
-        wanted, batch = self.prompt_groups, []
-        for m in range(self.k):
-            oldest = version - self.k + m
-            due = sum(1 for g in self.groups.values() if g.admitted <= oldest) - m * wanted
-            due -= sum(1 for key in batch if self.groups[key].admitted <= oldest)
-            pool = [key for key in self.completed if self.groups[key].admitted <= oldest and key not in batch]
-            if due > len(pool) or due > wanted - len(batch):
-                return None
-            batch += pool[: max(0, due)]
-        batch += [key for key in self.completed if key not in batch][: wanted - len(batch)]
-        return batch if len(batch) == wanted else None
-
+        """The B complete groups the step at ``version`` trains on, or None (``StalenessBound.choose``)."""
+        untrained = Counter(g.admitted for g in self.groups.values())
+        return self.bound.choose(version, untrained, [(key, self.groups[key].admitted) for key in self.completed])
 
     def take(self, step: int, metrics: dict[str, float]) -> Any:
         """Step ``step``'s B groups (`_choose`), in admission order."""

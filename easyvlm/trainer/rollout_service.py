@@ -91,6 +91,8 @@ class RolloutService:
         the share of samples whose tokens span more than one version."""
         if self.producer is not None and prompts is None:
             samples = self.producer.take(step, metrics)
+            if "rollout_version" in samples.batch:  # the bound, checked before the batch is trained
+                self.producer.bound.check(self.version, samples.batch["rollout_version"].tolist(), step)
         else:
             prompts = prompts if prompts is not None else next(self._prompts())
             start = time.perf_counter()

@@ -1,0 +1,105 @@
+"""The staleness bound of asynchronous rollout (``worker.rollout.max_staleness`` = k): the one
+implementation of its rules, pure, shared by the rollout service's producers
+(``easyvlm.trainer.async_rollout``), the trainer's check of every batch and the cluster model
+(``bench/cluster_model.py``), so that what the model predicts is what the service does.
+
+Versions: the trainer at version p has done p updates and trains step p + 1. A sample's staleness is
+p minus the version of the weights that sampled its oldest token; the bound is staleness <= k.
+
+- Whole batches (``BatchesAhead``): step d's batch is generated with the weights of version
+  d - 1 - k exactly (:meth:`StalenessBound.batch_version`), once the trainer is there
+  (:meth:`StalenessBound.batch_may_start`).
+- Prompt groups streamed (``GroupStream``, partial rollouts): at most (p + 1 + k) x B groups admitted
+  in all (:meth:`StalenessBound.may_admit`; B = prompt groups per step), and each step takes the
+  groups it must so that every group is trained within the bound (:meth:`StalenessBound.choose`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+class StalenessError(RuntimeError):
+    """A batch holds samples older than the bound allows."""
+
+
+@dataclass(frozen=True)
+class StalenessBound:
+    k: int
+    """Updates a sample may lag behind the weights it is trained with (``max_staleness``)."""
+    batch_groups: int
+    """B: prompt groups per training step."""
+
+    # ------------------------------------------------------------------ whole batches
+    def batch_may_start(self, step: int, trainer_version: int, taken: int, limit: int) -> bool:
+        """Whether step ``step``'s batch may be generated now: one batch ahead of the trainer's
+        requests (it took step ``taken``'s), no prompt past the draw ``limit`` (the next
+        checkpoint's step), and the trainer at the version the batch is generated with."""
+        return step <= min(limit, taken + 1) and trainer_version >= step - 1 - self.k
+
+    def batch_version(self, step: int, floor: int) -> int:
+        """The version whose weights generate step ``step``'s batch: d - 1 - k exactly, so that a
+        seeded run samples the same whatever the timing (k = 1: verl's one-step-off); never older
+        than ``floor`` (the weights a run or a checkpoint's pause starts from)."""
+        return max(step - 1 - self.k, floor)
+
+    # ------------------------------------------------------------------ streamed groups
+    def admission_cap(self, version: int, limit: int) -> int:
+        """Groups that may have been admitted in all when the trainer is at ``version``: (version
+        + 1 + k) x B, none for steps past the draw ``limit``."""
+        return min(version + 1 + self.k, limit) * self.batch_groups
+
+    def may_admit(self, version: int, limit: int, admitted: int, generating: int, completed: int) -> bool:
+        """Whether another B groups go into play: on demand, when the engines have fewer than B
+        groups ``generating`` and the trainer fewer than B ``completed`` (untrained), within the cap
+        on the ``admitted`` ones (all admitted so far, less those online filtering dropped).
+
+        On demand, not as far as the bound allows: an engine quicker than the trainer then stays one
+        step ahead (staleness 1, generation still overlapped with training) instead of k
+        (docs/benchmarks.md, "Asynchronous rollout"; with long tails the cost docs/cluster_model.md
+        predicts)."""
+        B = self.batch_groups
+        wanted = generating < B and completed < B
+        return wanted and admitted + B <= self.admission_cap(version, limit)
+
+    def choose(self, version: int, untrained: Mapping[int, int], completed: Sequence[tuple[Key, int]]) -> list[Key] | None:
+        """The B complete groups the step at ``version`` trains on, or None (wait for more).
+
+        ``untrained``: admission version -> groups admitted then and not yet trained (generating or
+        complete); ``completed``: (group, admission version) of the complete ones, in completion order.
+
+        A group admitted at version v must be trained by version v + k. For m = 0 .. k-1, the groups
+        admitted at versions <= version - k + m must all be trained by this step and the m after it,
+        which take at most B each: this step takes at least (their number) - m B of them (m = 0:
+        every group that cannot wait longer), the first completed, and waits while too few of them
+        are complete or they do not fit. The rest of its B are the first completed of any version:
+        the freshest samples that keep the bound. (Taking only the m = 0 groups, then the first
+        completed, lets young groups overtake slow old ones until a later step must take more than
+        B: found with bench/cluster_model.py.) For k = 0 every untrained group is due."""
+        B, batch, chosen = self.batch_groups, [], set()
+        for m in range(max(self.k, 1)):
+            oldest = version - self.k + m
+            due = sum(n for v, n in untrained.items() if v <= oldest) - m * B
+            due -= sum(1 for _, v in batch if v <= oldest)
+            pool = [(key, v) for key, v in completed if v <= oldest and key not in chosen]
+            if due > len(pool) or due > B - len(batch):
+                return None
+            batch += pool[: max(0, due)]
+            chosen.update(key for key, _ in pool[: max(0, due)])
+        batch += [(key, v) for key, v in completed if key not in chosen][: B - len(batch)]
+        return [key for key, _ in batch] if len(batch) == B else None
+
+    # ------------------------------------------------------------------ the trainer's check
+    def check(self, trainer_version: int, sample_versions: Sequence[int], step: int) -> None:
+        """Raise :class:`StalenessError` if a sample of step ``step``'s batch was sampled more than k
+        updates before ``trainer_version`` (by construction never: this is the producers' contract,
+        checked before the batch is trained)."""
+        oldest = min(sample_versions, default=trainer_version)
+        if trainer_version - oldest > self.k:
+            raise StalenessError(
+                f"step {step}'s batch holds samples of version {oldest}, {trainer_version - oldest} updates behind "
+                f"the trainer's {trainer_version}, beyond worker.rollout.max_staleness={self.k}: the rollout "
+                "producer broke its bound (a bug: please report it with the run's log)")
