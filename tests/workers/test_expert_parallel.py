@@ -90,6 +90,7 @@ def rank_main(rank: int, port: int, model_path: str, out_dir: str) -> None:
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)  # no interpreter finalization: see fsdp_testing._finish
 
 
 @pytest.fixture(scope="module", params=MODELS)
