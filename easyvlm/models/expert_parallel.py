@@ -101,6 +101,9 @@ def expert_parallel_group(size: int, device: torch.device) -> ExpertParallelGrou
     layout = expert_parallel_layout(rank, world, size)
     # (replicas, e): dim 1 holds the EP groups (consecutive ranks), dim 0 the EDP groups
     mesh = init_device_mesh(device.type, (world // size, size), mesh_dim_names=("expert_replicas", "experts"))
+    # the mesh's groups are the layout's (its row-major ranks): what shard_experts' slices assume
+    assert tuple(mesh["experts"].mesh.tolist()) == layout.group_ranks, (mesh, layout)
+    assert tuple(mesh["expert_replicas"].mesh.tolist()) == layout.replica_ranks, (mesh, layout)
     replicas = mesh["expert_replicas"].get_group() if world > size else None
     return ExpertParallelGroup(layout=layout, mesh=mesh["experts"], replica_group=replicas, world_size=world)
 
@@ -147,12 +150,6 @@ def shard_experts(model: nn.Module, ep: ExpertParallelGroup, device: torch.devic
         module.expert_parallel = ep
         module.config._experts_implementation_internal = EXPERT_PARALLEL
     return sharded
-
-
-def is_expert_parallel_param(param: Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("experts",)
 
 
 def reduce_expert_grads(model: nn.Module) -> None:
