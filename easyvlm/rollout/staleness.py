@@ -17,7 +17,7 @@ p minus the version of the weights that sampled its oldest token; the bound is s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence, TypeVar
+from typing import Any, Hashable, Mapping, Sequence, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -103,3 +103,26 @@ class StalenessBound:
                 f"step {step}'s batch holds samples of version {oldest}, {trainer_version - oldest} updates behind "
                 f"the trainer's {trainer_version}, beyond worker.rollout.max_staleness={self.k}: the rollout "
                 "producer broke its bound (a bug: please report it with the run's log)")
+
+
+# ------------------------------------------------------------------------------------------------
+# what the trainer logs
+
+
+def staleness_metrics(batch: Any, version: int) -> dict[str, float]:
+    """``rollout/staleness_mean`` and ``_max``: how many updates behind the version the batch trains
+    at each sample's oldest token was sampled (separate engines tag ``rollout_version``); with
+    per-token versions (partial rollouts) also ``rollout/partial_fraction``: the share of samples
+    whose tokens span more than one version."""
+    if "rollout_version" not in batch:
+        return {}
+    import torch  # here: the bound's rules above import without torch (bench/cluster_model.py)
+
+    staleness = (version - batch["rollout_version"]).float()
+    out = {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
+    if "rollout_token_versions" in batch:
+        versions, mask = batch["rollout_token_versions"], batch["response_mask"].bool()
+        high = torch.where(mask, versions, torch.full_like(versions, -1)).amax(dim=1)
+        low = torch.where(mask, versions, torch.full_like(versions, 2**62)).amin(dim=1)
+        out["rollout/partial_fraction"] = float(((high > low) & mask.any(dim=1)).float().mean())
+    return out

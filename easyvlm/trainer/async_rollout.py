@@ -27,14 +27,17 @@ import threading
 from collections import Counter
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import ray
 from ray.exceptions import RayActorError
 
 from easyvlm.data.batch import Batch
+from easyvlm.pipeline.scoring import Scorer
+from easyvlm.plan.specs import RoundsSpec
 from easyvlm.rollout.base import TRAIN_CALL
 from easyvlm.rollout.staleness import StalenessBound
+from easyvlm.rollout.versions import PolicyVersions
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.sampling import StepSamples, filter_error, kept_groups
@@ -46,11 +49,38 @@ STREAM_STEPS = 4
 STOP_TIMEOUT_S = 60.0
 
 
-class Producer:
-    """The thread, its error, the trainer's wait and the engines' idle time."""
+class ServiceView(Protocol):
+    """What a producer uses of the rollout service (``easyvlm.trainer.rollout_service``)."""
 
-    def __init__(self, service: Any):
-        self.service, self.cond = service, service.cond
+    versions: PolicyVersions
+    spec: RoundsSpec
+    total_steps: int
+    scorer: Scorer
+    pad_token_id: int
+    engine_lock: Any  # held while the engines are used: one user at a time
+
+    @property
+    def engines(self) -> Any:
+        """The separate rollout group (a WorkerGroup of RolloutHosts)."""
+
+    def draw_limit(self, step: int) -> int: ...
+
+    def next_prompts(self) -> Batch: ...
+
+    def seeded(self, prompts: Batch, *call: int) -> Batch: ...
+
+    def generate_step(self, prompts: Batch, step: int, version: int, metrics: dict[str, float]) -> tuple[Batch, Any]: ...
+
+    def note_restart(self, rank: int) -> None: ...
+
+
+class Producer:
+    """The thread, its error, the trainer's wait and the engines' idle time. The service calls
+    ``start``, ``take``, ``send_weights`` and ``stop``, and checks each batch against ``bound``."""
+
+    def __init__(self, service: ServiceView):
+        self.service, self.versions = service, service.versions
+        self.cond = self.versions.cond  # the versions' lock guards the producer's state too: one wait for both
         # the bound's rules (easyvlm/rollout/staleness.py), which the service checks every batch against
         self.bound = StalenessBound(service.spec.max_staleness, service.spec.prompt_groups)
         self.limit = 0  # the last step whose prompts may be drawn (the next checkpoint's)
@@ -61,7 +91,7 @@ class Producer:
 
     def start(self, first_step: int) -> None:
         self.limit = self.service.draw_limit(first_step)
-        self.floor = self.service.version  # no batch uses older weights than the run starts with
+        self.floor = self.versions.current  # no batch uses older weights than the run starts with
         self.thread = threading.Thread(target=self._guarded, args=(first_step,), name="easyvlm-rollout", daemon=True)
         self.thread.start()
 
@@ -89,7 +119,7 @@ class Producer:
         ``ready()``; returns the seconds waited. Raises the producer's error."""
         limit = self.service.draw_limit(step)
         if limit > self.limit:  # past a checkpoint's pause: the next batch starts from the newest weights
-            self.floor = self.service.version
+            self.floor = self.versions.current
         self.limit = limit
         self.cond.notify_all()
         start = time.perf_counter()
@@ -107,11 +137,9 @@ class Producer:
 
     def send_weights(self, version: int | None = None) -> None:
         """Under the engine lock: published weights (``version``'s, else the newest) to every engine."""
-        service = self.service
-        with self.cond:
-            version, ref = service.weights if version is None else (version, service.published[version])
-        service.workers.rollout_group.call_all("load_weights", ref, version)
-        service.engine_version = version
+        version, ref = self.versions.weights(version)
+        self.service.engines.call_all("load_weights", ref)
+        self.versions.engines_hold(version)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop drawing and wait for the thread to end: a thread left running would call the engines
@@ -127,7 +155,7 @@ class Producer:
 class BatchesAhead(Producer):
     """Whole batches, in step order, up to k steps ahead of the trainer."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: ServiceView):
         super().__init__(service)
         self.ready: dict[int, tuple[Any, dict[str, float]]] = {}
         self.taken = 0  # the last step whose batch the trainer took
@@ -137,28 +165,25 @@ class BatchesAhead(Producer):
         super().start(first_step)
 
     def run(self, step: int) -> None:
-        service = self.service
+        service, versions = self.service, self.versions
         while step <= service.total_steps:
             with self.cond:
                 # one batch ahead of the trainer's requests, so that the engine's calls (and a
                 # validation between them) come in the same order whatever the timing
-                if not self.wait_until(lambda: self.bound.batch_may_start(step, service.version, self.taken, self.limit)):
+                if not self.wait_until(lambda: self.bound.batch_may_start(step, versions.current, self.taken, self.limit)):
                     return
                 version = self.bound.batch_version(step, self.floor)
-                for old in [v for v in service.published if v < version]:  # no later batch needs them
-                    del service.published[old]
-            prompts = next(service._prompts())
+                versions.release_before(version)  # no later batch needs them
+            prompts = service.next_prompts()
             metrics: dict[str, float] = {}
-            with timed("gen_async", metrics), service.engine_lock:
-                service.wanted_version = version
-                service._sync_weights(metrics, version)
-                batch, reward = service.rounds.generate(prompts, metrics, step, service.rollout.generate)
+            with timed("gen_async", metrics):
+                batch, reward = service.generate_step(prompts, step, version, metrics)
             with self.cond:
                 self.ready[step] = (StepSamples(prompts, batch, reward), metrics)
                 self.cond.notify_all()
             step += 1
 
-    def take(self, step: int, metrics: dict[str, float]) -> Any:
+    def take(self, step: int, metrics: dict[str, float]) -> StepSamples:
         with self.cond:
             wait = self.await_batch(step, lambda: step in self.ready)
             samples, gen_metrics = self.ready.pop(step)
@@ -184,7 +209,7 @@ class Group:
 class GroupStream(Producer):
     """Prompt groups streamed through the engines' interruptible generation (partial rollouts)."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: ServiceView):
         super().__init__(service)
         self.groups: dict[tuple[int, int], Group] = {}  # admitted, not dropped, not yet trained on
         self.completed: list[tuple[int, int]] = []  # of those, the complete ones, in completion order
@@ -207,17 +232,16 @@ class GroupStream(Producer):
         return any(g.batch is None for g in self.groups.values())
 
     def run(self, first_step: int) -> None:
-        service = self.service
+        service, versions = self.service, self.versions
         while True:
             with self.cond:
-                if not self.wait_until(lambda: self._may_admit(service.version) or self._in_flight()):
+                if not self.wait_until(lambda: self._may_admit(versions.current) or self._in_flight()):
                     return
-                version, _ = service.weights
-                for old in [v for v in service.published if v < version]:  # only the newest is sent
-                    del service.published[old]
+                version, _ = versions.weights()
+                versions.release_before(version)  # only the newest is sent
                 admit = self._may_admit(version)
             with service.engine_lock:
-                if service.engine_version != version:
+                if versions.engines_need(version):
                     self.send_weights()
                 if admit:
                     self._admit(version)
@@ -227,14 +251,12 @@ class GroupStream(Producer):
     def send_weights(self, version: int | None = None) -> None:
         """Under the engine lock: the newest published weights to every engine, between two
         decoding steps (their unfinished samples go on with them)."""
-        service = self.service
-        with self.cond:
-            version, ref = service.weights
-        workers = service.workers.rollout_group.workers
+        version, ref = self.versions.weights()
+        workers = self.service.engines.workers
         self._on_each(range(len(workers)), lambda host: workers[host].call.remote("stream_set_weights", ref, version))
-        service.engine_version = version
+        self.versions.engines_hold(version)
 
-    def _on_each(self, hosts: Any, call: Any) -> list[tuple[int, Any]]:
+    def _on_each(self, hosts: Any, call: Callable[[int], Any]) -> list[tuple[int, Any]]:
         """``call(host)`` (a Ray call) on each engine, their answers; an engine whose process died
         is restarted and given its unfinished groups again (`_recover`), and answers nothing."""
         refs = []
@@ -254,11 +276,11 @@ class GroupStream(Producer):
     def _admit(self, version: int) -> None:
         """One prompt batch into play, its groups spread over the engines in contiguous slices."""
         service = self.service
-        prompts = next(service._prompts())
+        prompts = service.next_prompts()
         draw = self.draws
         self.draws += 1
-        prompts = service.rounds.seeded(prompts, TRAIN_CALL, draw + 1, 0)  # as step draw + 1's first round
-        hosts = len(service.workers.rollout_group.workers)
+        prompts = service.seeded(prompts, TRAIN_CALL, draw + 1, 0)  # as step draw + 1's first round
+        hosts = len(service.engines.workers)
         slices = [list(range(len(prompts)))[h::hosts] for h in range(hosts)]
         with self.cond:
             for host, rows in enumerate(slices):
@@ -267,7 +289,7 @@ class GroupStream(Producer):
             self.in_play += len(prompts)
         submissions = {host: self._submission(prompts, rows, [(draw, r) for r in rows])
                        for host, rows in enumerate(slices) if rows}
-        workers = service.workers.rollout_group.workers
+        workers = service.engines.workers
         self._on_each(submissions, lambda host: workers[host].call.remote("stream_submit", *submissions[host]))
 
     def _submission(self, prompts: Batch, rows: list[int], keys: list[tuple[int, int]]) -> tuple[Batch, int]:
@@ -279,7 +301,7 @@ class GroupStream(Producer):
 
     def _advance(self) -> list[tuple[tuple[int, int], Batch]]:
         """A few decoding steps on every engine with work."""
-        workers = self.service.workers.rollout_group.workers
+        workers = self.service.engines.workers
         with self.cond:
             busy = sorted({g.host for g in self.groups.values() if g.batch is None})
         answers = self._on_each(busy, lambda host: workers[host].call.remote("stream_advance", STREAM_STEPS))
@@ -289,11 +311,11 @@ class GroupStream(Producer):
         """Restart engine ``host``, give it the published weights and its unfinished groups (their
         tokens so far are lost with the process: they start again, on the newest weights)."""
         service = self.service
-        group = service.workers.rollout_group
+        group = service.engines
         service.note_restart(host)
         group.restart(host)
+        version, ref = self.versions.weights()
         with self.cond:
-            version, ref = service.weights
             lost = sorted(key for key, g in self.groups.items() if g.host == host and g.batch is None)
         worker = group.workers[host]
         ray.get(worker.call.remote("stream_set_weights", ref, version))
@@ -331,7 +353,7 @@ class GroupStream(Producer):
         untrained = Counter(g.admitted for g in self.groups.values())
         return self.bound.choose(version, untrained, [(key, self.groups[key].admitted) for key in self.completed])
 
-    def take(self, step: int, metrics: dict[str, float]) -> Any:
+    def take(self, step: int, metrics: dict[str, float]) -> StepSamples:
         """Step ``step``'s B groups (`_choose`), in admission order."""
         service, wanted = self.service, self.prompt_groups
         chosen: list[tuple[int, int]] = []
@@ -342,7 +364,7 @@ class GroupStream(Producer):
                 self.error = filter_error(len(self.completed), wanted, f"{self.dropped} groups dropped",
                                           spec.filtering.filter_key)
                 return False
-            batch = self._choose(service.version)
+            batch = self._choose(self.versions.current)
             chosen[:] = batch or []
             return batch is not None
 

@@ -14,9 +14,10 @@ Three placements behind that interface (docs/rollout.md, "Asynchronous rollout")
   trainer as they complete, new weights reaching the engines between two decoding steps
   (`GroupStream`).
 
-The version: the number of training steps done (a loaded checkpoint's step), the only policy
-version in the program. A sample's staleness is the version it is trained at minus the version of
-the weights that sampled its oldest token; the asynchronous producers never let it exceed k.
+The version (`PolicyVersions`, easyvlm/rollout/versions.py, its one holder): the number of
+training steps done (a loaded checkpoint's step). A sample's staleness is the version it is trained
+at minus the version of the weights that sampled its oldest token; the asynchronous producers never
+let it exceed k (`StalenessBound`, easyvlm/rollout/staleness.py), and `next_batch` checks it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from easyvlm.data.dataloader import PromptDataLoader
 from easyvlm.pipeline.scoring import Scorer
 from easyvlm.plan.build import RunPlan
 from easyvlm.rollout.specs import Sampling
+from easyvlm.rollout.staleness import staleness_metrics
+from easyvlm.rollout.versions import PolicyVersions
+from easyvlm.trainer.async_rollout import BatchesAhead, GroupStream, Producer
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.sampling import GenerationRounds, StepSamples, prompt_batches
 from easyvlm.trainer.topology import Workers
@@ -57,17 +61,11 @@ class RolloutService:
         self.pad_token_id = plan.bundle.tokens.pad
         self.rounds = GenerationRounds(spec, scorer, loader, self.pad_token_id)
         self.rollout = DriverRollout(plan, encoder, self._engine_call)  # one call, or the multi-turn loop
-        self.version = 0
-        self.engine_version = -1  # the weights the separate engines hold (-1: the checkpoint's files')
-        self.engine_lock = threading.RLock()  # one user of the separate engines at a time
-        self.wanted_version = 0  # under the engine lock: the weights the current generation uses
-        self.cond = threading.Condition()  # guards version, weights and the producer's state
-        self.published: dict[int, Any] = {}  # asynchronous: weights by version (Ray refs), the ones still needed
+        self.versions = PolicyVersions()
+        self.engine_lock = threading.RLock()  # one user of the engines at a time
         self.engine_restarts = 0  # engine processes that died and were restarted, so far
-        self.producer: Any = None
+        self.producer: Producer | None = None
         if spec.max_staleness > 0:
-            from easyvlm.trainer.async_rollout import BatchesAhead, GroupStream
-
             self.producer = (GroupStream if spec.partial_rollout else BatchesAhead)(self)
         self._prompt_iter: Iterator[Batch] | None = None
 
@@ -75,12 +73,17 @@ class RolloutService:
     def asynchronous(self) -> bool:
         return self.producer is not None
 
+    @property
+    def engines(self) -> Any:
+        """The separate rollout group (None: the engines are colocated with the actor)."""
+        return self.workers.rollout_group
+
     # ------------------------------------------------------------------ the trainer's side
     def begin(self, version: int) -> None:
         """Start at ``version`` (the steps a loaded checkpoint had done; 0 on a fresh run): the
         asynchronous producer starts generating step ``version + 1``'s samples."""
-        self.version = version
-        self.engine_version = -1
+        with self.versions.cond:
+            self.versions.current = version
         if self.producer is not None:
             self.publish_weights({})
             self.producer.start(version + 1)
@@ -92,30 +95,27 @@ class RolloutService:
         if self.producer is not None and prompts is None:
             samples = self.producer.take(step, metrics)
             if "rollout_version" in samples.batch:  # the bound, checked before the batch is trained
-                self.producer.bound.check(self.version, samples.batch["rollout_version"].tolist(), step)
+                self.producer.bound.check(self.versions.current, samples.batch["rollout_version"].tolist(), step)
         else:
-            prompts = prompts if prompts is not None else next(self._prompts())
+            prompts = prompts if prompts is not None else self.next_prompts()
             start = time.perf_counter()
-            with timed("gen", metrics), self.engine_lock:
-                self.wanted_version = self.version
-                self._sync_weights(metrics)
-                batch, reward = self.rounds.generate(prompts, metrics, step, self.rollout.generate)
-            if self.workers.rollout_group is not None:  # the trainer idles while the separate engines work
+            with timed("gen", metrics):
+                batch, reward = self.generate_step(prompts, step, self.versions.current, metrics)
+            if self.engines is not None:  # the trainer idles while the separate engines work
                 metrics["timing_s/wait_rollout"] = time.perf_counter() - start
             samples = StepSamples(prompts, batch, reward)
-        metrics.update(staleness_metrics(samples.batch, self.version))
-        if self.workers.rollout_group is not None:
+        metrics.update(staleness_metrics(samples.batch, self.versions.current))
+        if self.engines is not None:
             metrics["rollout/engine_restarts"] = float(self.engine_restarts)
         return samples
 
     def step_done(self, metrics: dict[str, float]) -> None:
         """The step's update is done: the policy's version counts it (critic warm-up steps too, so
         that versions and steps agree), and an asynchronous producer gets the new weights."""
-        if self.producer is None or self.version + 1 >= self.total_steps:  # no later step's batch needs them
-            with self.cond:
-                self.version += 1
+        if self.producer is None or self.versions.current + 1 >= self.total_steps:  # no later batch needs them
+            self.versions.advance()
         else:
-            self.publish_weights(metrics, self.version + 1)
+            self.publish_weights(metrics, self.versions.current + 1)
 
     def publish_weights(self, metrics: dict[str, float], version: int | None = None) -> None:
         """Asynchronous: gather the actor's weights (a collective on the hybrid ranks: the main
@@ -124,16 +124,7 @@ class RolloutService:
         with timed("weight_gather", metrics):
             refs = self.workers.hybrid.call_all_async("weights_for_sync")  # full weights on rank 0, None elsewhere
             ray.get(refs[1:])
-        with self.cond:
-            self.version = self.version if version is None else version
-            self.published[self.version] = refs[0]
-            self.cond.notify_all()
-
-    @property
-    def weights(self) -> tuple[int, Any]:
-        """The newest published weights: (version, Ray ref)."""
-        version = max(self.published)
-        return version, self.published[version]
+        self.versions.publish(self.versions.current if version is None else version, refs[0])
 
     def loader_state(self) -> dict:
         """The data loader's state for a checkpoint: the prompts of the steps trained so far (the
@@ -153,35 +144,55 @@ class RolloutService:
         producer is doing: it waits for the engines (a streamed generation goes on afterwards, on
         the weights loaded here)."""
         with self.engine_lock:
-            self.wanted_version = self.version
+            self.versions.generating = self.versions.current
             self._sync_weights(None)
             return self.rollout.generate(prompts, sampling)
 
-    def _prompts(self) -> Iterator[Batch]:
+    def generate_step(self, prompts: Batch, step: int, version: int, metrics: dict[str, float]) -> tuple[Batch, Any]:
+        """Step ``step``'s generation rounds (online filtering, multi-turn included) on ``version``'s
+        weights, the separate engines' samples tagged with it (``rollout_version``)."""
+        with self.engine_lock:
+            self.versions.generating = version
+            self._sync_weights(metrics, version)
+            batch, reward = self.rounds.generate(prompts, metrics, step, self.rollout.generate)
+        if self.engines is not None:
+            batch["rollout_version"] = torch.full((len(batch),), version, dtype=torch.long)
+        return batch, reward
+
+    def next_prompts(self) -> Batch:
+        """The loader's next prompt batch (the data order of the synchronous loop)."""
         if self._prompt_iter is None:
             self._prompt_iter = prompt_batches(self.loader)
-        return self._prompt_iter
+        return next(self._prompt_iter)
+
+    def seeded(self, prompts: Batch, *call: int) -> Batch:
+        return self.rounds.seeded(prompts, *call)
 
     # ------------------------------------------------------------------ the engines
     def _engine_call(self, batch: Batch, sampling: Sampling | None) -> Batch:
-        """One generation call: the colocated engines (told the version, they sync when it changed)
-        or the separate ones, whose dead processes are restarted and the call retried."""
-        if self.workers.rollout_group is None:
-            return self.workers.hybrid.dispatch("generate", batch, sampling=sampling, version=self.version)
+        """One generation call: the colocated engines (told to load the actor's weights first when
+        they hold another version) or the separate ones, whose dead processes are restarted and the
+        call retried."""
+        if self.engines is None:
+            version = self.versions.generating
+            out = self.workers.hybrid.dispatch("generate", batch, sampling=sampling,
+                                               sync_weights=self.versions.engines_need(version))
+            self.versions.engines_hold(version)
+            return out
         for attempt in range(ENGINE_RESTARTS + 1):
             try:
-                return self.workers.rollout_group.dispatch("generate", batch, sampling=sampling)
+                return self.engines.dispatch("generate", batch, sampling=sampling)
             except RayActorError:
                 if attempt == ENGINE_RESTARTS:
                     raise
                 self.restart_dead_engines()
-                self._sync_weights(None, self.wanted_version)
+                self._sync_weights(None, self.versions.generating)
         raise AssertionError("unreachable")
 
     def restart_dead_engines(self) -> list[int]:
         """Restart the rollout group's ranks whose process died; returns their ranks. Their
-        weights are the checkpoint files' until the next sync (``engine_version`` = -1)."""
-        group = self.workers.rollout_group
+        weights are the model files' until the next sync."""
+        group = self.engines
         dead = []
         for rank, worker in enumerate(group.workers):
             try:
@@ -192,7 +203,7 @@ class RolloutService:
             self.note_restart(rank)
             group.restart(rank)
         if dead:
-            self.engine_version = -1
+            self.versions.engines_lost()
         return dead
 
     def note_restart(self, rank: int) -> None:
@@ -203,11 +214,10 @@ class RolloutService:
     def _sync_weights(self, metrics: dict[str, float] | None, version: int | None = None) -> None:
         """Separate engines: send them ``version``'s weights (default: the current) if they hold
         others (under the engine lock). Synchronous placements gather them now (the main thread's
-        call); asynchronous ones send published ones. Colocated engines sync themselves
-        (``HybridWorker.generate``)."""
-        group = self.workers.rollout_group
-        version = self.version if version is None else version
-        if group is None or self.engine_version == version:
+        call); asynchronous ones send published ones. Colocated engines load the actor's weights
+        in their own processes (`_engine_call`)."""
+        version = self.versions.current if version is None else version
+        if self.engines is None or not self.versions.engines_need(version):
             return
         start = time.perf_counter()
         for attempt in range(ENGINE_RESTARTS + 1):
@@ -224,11 +234,11 @@ class RolloutService:
     def _send_weights(self, version: int) -> None:
         if self.producer is None:
             refs = self.workers.hybrid.call_all_async("weights_for_sync")
-            self.workers.rollout_group.call_all("load_weights", refs[0], version)
+            self.engines.call_all("load_weights", refs[0])
             ray.get(refs[1:])
-            self.engine_version = version
+            self.versions.engines_hold(version)
         else:
-            if version not in self.published:  # the last step's weights, for validation (the main thread)
+            if not self.versions.published(version):  # the last step's weights, for validation (the main thread)
                 self.publish_weights({})
             self.producer.send_weights(version)
 
@@ -236,19 +246,3 @@ class RolloutService:
         if self.producer is not None:
             self.producer.stop()
 
-
-def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """``rollout/staleness_mean`` and ``_max``: how many updates behind the version the batch trains
-    at each sample's oldest token was sampled (separate engines tag ``rollout_version``); with
-    per-token versions (partial rollouts) also ``rollout/partial_fraction``: the share of samples
-    whose tokens span more than one version."""
-    if "rollout_version" not in batch:
-        return {}
-    staleness = (version - batch["rollout_version"]).float()
-    out = {"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max())}
-    if "rollout_token_versions" in batch:
-        versions, mask = batch["rollout_token_versions"], batch["response_mask"].bool()
-        high = torch.where(mask, versions, torch.full_like(versions, -1)).amax(dim=1)
-        low = torch.where(mask, versions, torch.full_like(versions, 2**62)).amin(dim=1)
-        out["rollout/partial_fraction"] = float(((high > low) & mask.any(dim=1)).float().mean())
-    return out

@@ -10,7 +10,7 @@ asks, and the engine sleeps while they work; on the CPU all of these are no-ops.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -44,19 +44,17 @@ class HybridWorker:
         if self.teacher is not None:
             self.actor.teacher_distribution = self.teacher.log_distribution  # distill_full_kl's, in-process
         self.rollout = build_rollout(rollout) if rollout is not None else None
-        self._engine_version = -1  # the policy version whose weights the engine holds (the driver's numbering)
 
     # ------------------------------------------------------------------ rollout
-    def generate(self, batch: Batch, sampling: Sampling | None = None, version: int = 0) -> Batch:
-        """Sample responses with the actor's current weights: ``version``, the policy's version (the
-        driver's rollout service counts them); the engine is sent the weights when it holds another.
+    def generate(self, batch: Batch, sampling: Sampling | None = None, sync_weights: bool = True) -> Batch:
+        """Sample responses with the actor's current weights, loaded into the engine first when
+        ``sync_weights`` (the driver's rollout service knows which version the engines hold).
         sampling: None = the plan's training sampling (e.g. the plan's validation sampling)."""
         assert self.rollout is not None, "generate: the rollout engines are a separate group (worker.rollout.placement)"
-        if self._engine_version != version:
+        if sync_weights:
             self.rollout.wake_up(["weights"])
             # a tensor at a time, on the device the engine takes them on (its own GPU: no host round trip)
             self.rollout.update_weights(self.actor.iter_weights_for_sync(self.rollout.weight_sync_device))
-            self._engine_version = version
         self.actor.offload()  # idle until the next log-prob pass (GPU memory for the KV cache)
         for frozen in (self.ref, self.teacher):
             if frozen is not None:
@@ -102,7 +100,6 @@ class HybridWorker:
 
     def load_checkpoint(self, path: str) -> None:
         self.actor.load_checkpoint(f"{path}/actor")
-        self._engine_version = -1  # the engine holds other weights than the loaded ones
 
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
@@ -114,28 +111,21 @@ class HybridWorker:
 
 class RolloutHost:
     """A rollout engine on its own device (``worker.rollout.placement=separate``): no actor, no
-    process group. It samples with the last weights the driver sent (``load_weights``) and tags
-    every sample with their version (``rollout_version``), so the driver knows how stale each
-    sample is. The ``stream_*`` calls are the engine's interruptible generation (partial rollouts,
+    process group. It samples with the last weights the driver sent (``load_weights``; the driver
+    records their version and tags the samples with it). The ``stream_*`` calls are the engine's interruptible generation (partial rollouts,
     ``easyvlm.rollout.base``): groups submitted, advanced a few decoding steps at a time, new
     weights loaded between two steps."""
 
-    def __init__(self, spec: RolloutSpec, engine: Optional[Callable[[], Any]] = None):
-        """engine: makes the engine instead of ``spec`` (tests: a fake one in a real process)."""
-        self.rollout = engine() if engine is not None else build_rollout(spec)
-        self.version = -1  # the engine's weights are the checkpoint's until the first load_weights
+    def __init__(self, spec: RolloutSpec):
+        self.rollout = build_rollout(spec)
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         self.rollout.wake_up(["weights"])
         self.rollout.update_weights(state.items())
-        self.version = version
 
     def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
-        """Like HybridWorker.generate, plus ``rollout_version`` (B,): the weights' version per sample."""
         self.rollout.wake_up(["kv_cache"])
-        out = self.rollout.generate(batch, sampling)
-        out["rollout_version"] = torch.full((len(out),), self.version, dtype=torch.long)
-        return out
+        return self.rollout.generate(batch, sampling)
 
     # ------------------------------------------------------------------ the generation stream
     def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
@@ -146,9 +136,9 @@ class RolloutHost:
         return self.rollout.stream_advance(max_steps)
 
     def stream_set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """New weights between two decoding steps: the unfinished samples go on with them."""
+        """New weights between two decoding steps: the unfinished samples go on with them, each
+        token tagged with the version that sampled it."""
         self.rollout.stream_set_weights(state.items(), version)
-        self.version = version
 
     def stream_cancel(self) -> list[tuple[int, int]]:
         return self.rollout.stream_cancel()

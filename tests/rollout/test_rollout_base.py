@@ -11,7 +11,7 @@ import torch
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import is_greedy, sampling_with_overrides
 from easyvlm.rollout.specs import Sampling
-from easyvlm.rollout.fake import FakeRolloutEngine
+from rollout_testing import FakeRolloutEngine
 
 PAD, EOS = 0, 9
 

@@ -11,7 +11,7 @@ import torch
 from easyvlm.data.batch import Batch
 from easyvlm.rollout.base import SEED_KEY, mix_seeds, prompt_seeds, request_seed
 from easyvlm.rollout.specs import Sampling
-from easyvlm.rollout.fake import FakeRolloutEngine
+from rollout_testing import FakeRolloutEngine
 
 
 def test_prompt_and_request_seeds():

@@ -11,7 +11,7 @@ update old, logs it (rollout/staleness_*) and corrects it with token TIS.
 from __future__ import annotations
 
 import pytest
-from test_e2e import assert_finite, read_jsonl
+from test_e2e import HASH_REWARD, REPO_ROOT, assert_finite, read_jsonl
 
 SEPARATE = ["worker.rollout.placement=separate", "worker.rollout.num_devices=1"]
 
@@ -62,6 +62,34 @@ class TestSeparateRollout:
             assert_finite(row, ["actor/pg_loss", "rollout_corr/rollout_is_mean", "timing_s/wait_rollout"])
             assert 0 <= row["rollout/staleness_max"] <= 2 and 0 <= row["rollout/partial_fraction"] <= 1
         assert rows[0]["rollout/staleness_max"] == 0.0  # step 1 trains at version 0: nothing can be older
+
+    @pytest.mark.parametrize("feature", ["environment", "online_filtering"])
+    def test_one_step_off_with_multi_turn_or_online_filtering_logs_staleness(self, feature, e2e_base_args, tmp_path):
+        """Issue 55: whole batches generated a step ahead with an environment (multi-turn: the
+        loop rebuilds the batch, which used to lose the samples' version, so the staleness metrics
+        vanished) and with DAPO's online filtering (several rounds per batch): each step's samples
+        are one update old at most, and step 1's of version 0."""
+        from easyvlm.trainer.main import main
+
+        environment = f"{REPO_ROOT / 'examples' / 'environments' / 'look_again.py'}:LookAgain"
+        extra = {
+            "environment": [f"worker.rollout.environment={environment}", "worker.rollout.max_turns=2",
+                            "worker.rollout.max_tokens_per_turn=4", "data.max_response_length=128"],
+            "online_filtering": [f"worker.reward.reward_function={HASH_REWARD}", "algorithm.online_filtering=true",
+                                 "algorithm.filter_key=accuracy", "algorithm.filter_low=0.01",
+                                 "algorithm.filter_high=0.99"],
+        }[feature]
+        main([*e2e_base_args, *SEPARATE, "worker.rollout.name=vllm", "worker.rollout.max_staleness=1",
+              "trainer.max_steps=3", "algorithm.rollout_correction.rollout_is=token", *extra,
+              f"trainer.save_checkpoint_path={tmp_path}"])
+        rows = read_jsonl(tmp_path / "experiment_log.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        # batches in step order, each generated with version d - 1 - k = d - 2 (0 at least)
+        assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+        if feature == "environment":
+            assert all(r["multi_turn/turns/mean"] == 2.0 for r in rows)
+        else:
+            assert all(r["online_filtering/rounds"] >= 1.0 for r in rows)
 
     def test_a_killed_engine_is_restarted_and_every_prompt_is_trained_once(self, e2e_base_args, tmp_path, monkeypatch):
         # the streamed (partial rollout) path, whose recovery resubmits the lost groups; the whole-batch

@@ -81,7 +81,7 @@ class FakeGroup:
     def __init__(self, name, resources, factory, share=1.0, pg=None):
         self.name, self.pg, self.calls = name, "pg", []
         self.workers = [FakeRank(peak) for peak in RANK_PEAKS]
-        self.loaded: list[int] = []  # a separate rollout group: the weight versions sent to it
+        self.loaded: list[int] = []  # a separate rollout group: the weights sent to it (updates they hold)
         self.plan: SimpleNamespace | None = None  # set by make_trainer: tokenizer, eos, n
 
     def dispatch(self, method: str, batch: Batch, replicas: int = 1, **kwargs):
@@ -98,12 +98,6 @@ class FakeGroup:
         raise AssertionError(method)
 
     def _generate(self, prompts: Batch, sampling) -> Batch:
-        out = self._generated(prompts, sampling)
-        if self.name == "rollout":  # RolloutHost tags each sample with its weights' version
-            out["rollout_version"] = torch.full((len(out),), self.loaded[-1])
-        return out
-
-    def _generated(self, prompts: Batch, sampling) -> Batch:
         n = sampling.n if sampling is not None else self.plan.n
         response = self.plan.tokenizer("ab", add_special_tokens=False)["input_ids"] + [self.plan.eos]
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]  # interleaved: the n samples of a prompt
@@ -134,7 +128,9 @@ class FakeGroup:
     def call_all(self, method: str, *args, **kwargs):
         self.calls.append((method, args, kwargs))
         if method == "load_weights":
-            self.loaded.append(args[1])
+            self.loaded.append(args[0])
+        if method == "weights_for_sync":  # rank 0's weights: the number of updates they hold
+            return [self.methods().count("update_actor")]
         return [None]
 
     def call_all_async(self, method: str, *args, **kwargs):

@@ -19,7 +19,7 @@ from test_loop import LOOP_OVERRIDES
 
 from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
-from easyvlm.rollout.fake import FakeRolloutEngine
+from rollout_testing import FakeRolloutEngine
 from easyvlm.trainer import async_rollout, rollout_service
 from easyvlm.trainer.rollout_service import RolloutService
 from easyvlm.workers.hybrid import RolloutHost
@@ -60,6 +60,13 @@ class PromptLoader:
         return {"epoch": self.epoch, "position": self.position}
 
 
+class FakeHost(RolloutHost):
+    """The real RolloutHost around a fake engine (the real one builds the plan's engine)."""
+
+    def __init__(self, engine: FakeRolloutEngine):
+        self.rollout = engine
+
+
 class LocalActor:
     """A Ray actor's handle on a RolloutHost in this process: ``call.remote`` runs the method now;
     ``die()`` makes every later call raise as a killed actor's would."""
@@ -88,12 +95,9 @@ class LocalGroup:
         self.workers = [LocalActor(self._host()) for _ in range(hosts)]
 
     def _host(self) -> RolloutHost:
-        def engine():
-            fake = FakeRolloutEngine(respond, self.plan.rollout.sampling, len(RESPONSE), 0, [2])
-            fake.step_seconds = self.step_seconds
-            return fake
-
-        return RolloutHost(self.plan.rollout, engine=engine)
+        engine = FakeRolloutEngine(respond, self.plan.rollout.sampling, len(RESPONSE), 0, [2])
+        engine.step_seconds = self.step_seconds
+        return FakeHost(engine)
 
     def dispatch(self, method, batch, replicas=1, **kwargs):
         chunks = batch.chunk(len(self.workers))

@@ -1,0 +1,81 @@
+"""The policy's version on the driver: the one holder of which weights exist and which the engines hold.
+
+A version is a number of training updates done (a loaded checkpoint's step on resume). The trainer
+advances it after each step; asynchronous rollout publishes each version's weights (a handle, e.g. a
+Ray object reference) for the engines to load; the rollout service records which version the engines
+hold, so that it sends weights only when they hold others, and tags each whole-batch sample with the
+version that generated it (``rollout_version``). The hosts and engines keep no version of their own:
+a streaming engine is told each version with its weights, to tag the tokens it samples with them.
+
+``cond`` guards the versions; the asynchronous producers wait on it (for a version, and for the
+trainer's requests) and keep their own state under it, so one notification wakes every waiter.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+NOT_SYNCED = -1
+"""The engines hold no version the driver sent: the model files' weights (start, resume, restart)."""
+
+
+class PolicyVersions:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.current = 0
+        """Updates done: the version the trainer trains its next step from."""
+        self.held = NOT_SYNCED
+        """The version whose weights the rollout engines hold."""
+        self.generating = 0
+        """The version the generation in progress uses (set under the service's engine lock), which
+        an engine restarted during that generation is given again."""
+        self._published: dict[int, Any] = {}
+
+    def start(self, version: int) -> None:
+        """A run starts (or resumes) at ``version``; the engines hold the model files' weights."""
+        with self.cond:
+            self.current, self.held = version, NOT_SYNCED
+            self._published.clear()
+            self.cond.notify_all()
+
+    def advance(self) -> None:
+        """One more update done, with no weights published (no later generation needs them)."""
+        with self.cond:
+            self.current += 1
+            self.cond.notify_all()
+
+    def publish(self, version: int, weights: Any) -> None:
+        """``version``'s weights are ready: it becomes current together with them, so that no
+        reader sees a version without its weights."""
+        with self.cond:
+            self.current = version
+            self._published[version] = weights
+            self.cond.notify_all()
+
+    def weights(self, version: int | None = None) -> tuple[int, Any]:
+        """(version, weights): ``version``'s published weights, else the newest ones."""
+        with self.cond:
+            version = max(self._published) if version is None else version
+            return version, self._published[version]
+
+    def published(self, version: int) -> bool:
+        with self.cond:
+            return version in self._published
+
+    def release_before(self, version: int) -> None:
+        """Forget the weights of versions older than ``version``: no later generation uses them."""
+        with self.cond:
+            for old in [v for v in self._published if v < version]:
+                del self._published[old]
+
+    def engines_need(self, version: int) -> bool:
+        """Whether the engines must be sent ``version``'s weights before generating with them."""
+        return self.held != version
+
+    def engines_hold(self, version: int) -> None:
+        self.held = version
+
+    def engines_lost(self) -> None:
+        """An engine restarted (or the actor loaded a checkpoint): it holds the model files' weights."""
+        self.held = NOT_SYNCED
