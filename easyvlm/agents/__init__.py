@@ -5,6 +5,7 @@
 - ``parse``: the model's tool calls in its template's format;
 - ``render``: tool results and observations as chat-template tokens (images included);
 - ``environment``: stateful environments (``reset`` / ``step``);
+- ``gui``: a GUI-style environment drawn with Pillow (numbered widgets, ``click(N)`` / ``click(X, Y)``);
 - ``loop``: the multi-turn generation around any rollout engine, and its metrics;
 - ``settings``: the multi-turn settings (``worker.rollout.tools`` ... ``tool_timeout``) and the
   shipped tools' names, torch-free for the config check;

@@ -91,6 +91,7 @@ EXTERNAL_DATASETS: dict[str, str] = {
     "synthetic-video-frames": "easyvlm.builtin.synthetic_video",
     "synthetic-video-direction": "easyvlm.builtin.synthetic_video",
     "synthetic-zoom": "easyvlm.builtin.synthetic_zoom",
+    "synthetic-gui": "easyvlm.builtin.synthetic_gui",
     "synthetic-preference": "easyvlm.builtin.synthetic_preference",
     "synthetic-colour-preference": "easyvlm.builtin.synthetic_preference",
 }

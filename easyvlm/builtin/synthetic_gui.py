@@ -1,0 +1,81 @@
+"""The rows of the GUI-style environment (easyvlm.agents.gui): ``builtin:synthetic-gui@<split>``.
+
+Each row is an episode's start: the first screenshot (112x112 px: 16 image tokens with the
+built-in processor, shown at that size when ``data.min_pixels <= 12544 <= data.max_pixels``, as with
+examples/config.yaml's limits), the instruction, and the ``seed`` and ``task`` from which
+``GuiEnvironment.reset`` rebuilds the same screen (EasyR1's format, image paths relative to the
+JSONL file)::
+
+    {"problem": "<image>Tick every red box and no other, then press OK.", "answer": "click(2) click(5) click(7)",
+     "images": ["images/train_000123.png"], "task": "tick", "seed": 1234567, "max_steps": 5}
+
+``answer`` is one shortest solution (the boxes to toggle in label order, then OK; any order of the
+toggles solves it too); ``max_steps`` is the environment's step limit (the solution's length + 2).
+Splits follow the image task's rule (:func:`easyvlm.builtin.synthetic.distinct_samples`): a hash of
+the first screenshot and the instruction picks the split, so val and test screens are never train's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+from PIL import Image
+
+from easyvlm.agents.gui import KINDS, make_task, render_screen, solution
+from easyvlm.builtin.synthetic import SyntheticDatasetError, distinct_samples, png_bytes, sized_cache_dir
+from easyvlm.utils.cache import build_once
+
+# Bump when the screens, the tasks or the row format change (it is part of the cache key).
+BUILD_VERSION = 1
+
+DATASETS = ("synthetic-gui",)
+DEFAULT_SIZES = {"train": 2000, "val": 128, "test": 128}
+TASK_MIX = {"tick": 0.5, "untick": 0.5}
+
+
+def render_sample(task: str, rng: random.Random) -> tuple[Image.Image, dict]:
+    """A new seed from ``rng``, its task of kind ``task`` and its first screenshot."""
+    if task not in KINDS:
+        raise SyntheticDatasetError(f"unknown GUI task {task!r}; known: {list(KINDS)}")
+    seed = rng.getrandbits(31)
+    screen = make_task(seed, task)
+    row = {"problem": "<image>" + screen.instruction, "answer": solution(screen), "task": task, "seed": seed,
+           "max_steps": screen.max_steps}
+    return render_screen(screen, screen.initial), row
+
+
+def _content_hash(image: Image.Image, problem: str) -> bytes:
+    return hashlib.sha256(image.tobytes() + b"\0" + problem.encode()).digest()
+
+
+def write_dataset(out_dir: Path, split: str, num_samples: int) -> Path:
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / f"{split}.jsonl"
+    with open(jsonl, "w") as f:
+        for i, (image, row) in enumerate(distinct_samples(split, num_samples, TASK_MIX, render_sample, _content_hash, KINDS)):
+            rel = f"images/{split}_{i:06d}.png"
+            (out_dir / rel).write_bytes(png_bytes(image))
+            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"], "images": [rel], "task": row["task"],
+                                "seed": row["seed"], "max_steps": row["max_steps"]}) + "\n")
+    return jsonl
+
+
+def dataset_cache_dir(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-gui",
+                      num_samples: int | None = None) -> Path:
+    if name not in DATASETS:
+        raise SyntheticDatasetError(f"unknown built-in GUI data set {name!r}; known: {list(DATASETS)}")
+    return sized_cache_dir(name, split, num_samples, DEFAULT_SIZES, BUILD_VERSION, cache_dir)
+
+
+def materialize_dataset(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-gui",
+                        num_samples: int | None = None) -> Path:
+    """The JSONL file of ``builtin:synthetic-gui@<split>``, generated once (atomically) and cached."""
+    target = dataset_cache_dir(split, cache_dir, name, num_samples)
+    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
+    build_once(target, lambda out: write_dataset(out, split, n))
+    return target / f"{split}.jsonl"
