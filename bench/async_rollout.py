@@ -25,14 +25,16 @@ import threading
 import time
 from pathlib import Path
 
+# The asynchronous modes train with the default staleness correction (token-level truncated IS:
+# rollout_is=token, issue 55); k2_partial_uncorrected trains the stale samples as if fresh.
 MODES = {
     "separate": ["worker.rollout.placement=separate"],
-    "k1": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=1",
-           "algorithm.rollout_correction.rollout_is=token"],
-    "k2": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2",
-           "algorithm.rollout_correction.rollout_is=token"],
+    "k1": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=1"],
+    "k2": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2"],
     "k2_partial": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2",
-                   "worker.rollout.partial_rollout=true", "algorithm.rollout_correction.rollout_is=token"],
+                   "worker.rollout.partial_rollout=true"],
+    "k2_partial_uncorrected": ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2",
+                               "worker.rollout.partial_rollout=true", "worker.rollout.correct_staleness=false"],
 }
 SKIP = 5
 CORES = {"easyvlm-hybrid-0": {0}, "easyvlm-rollout-0": {1}}

@@ -49,7 +49,7 @@ def bench_plan(args: Sequence[str], total_steps: int = 1):
     as ``easyvlm.trainer.main`` builds it: validated (exit 2 with every problem), model files loaded
     once; the trained roles' schedule is ``total_steps`` long (``easyvlm.trainer.loop`` sets it)."""
     from easyvlm.plan.roles import with_total_steps
-    from easyvlm.trainer.main import plan_run
+    from easyvlm.plan.launch import plan_run
 
     plan = plan_run(list(args))
     critic = with_total_steps(plan.critic, total_steps) if plan.critic is not None else None

@@ -40,7 +40,8 @@ K3, MISMATCH = "actor/rollout_mismatch/k3", "actor/moe/routing_mismatch"
 
 def run_one(mode: str, steps: int, out: Path, overrides: list[str]) -> None:
     """One mode's run in this process (the plan changed in memory, so not through the CLI)."""
-    from easyvlm.trainer.main import plan_run, run
+    from easyvlm.plan.launch import plan_run
+    from easyvlm.trainer.main import run
 
     args = example_args(f"worker.actor.model.model_path={POLICY}", f"worker.actor.router_replay={mode}",
                         "worker.rollout.enforce_eager=true", f"trainer.max_steps={steps}", "trainer.val_freq=-1",

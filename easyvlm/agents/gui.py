@@ -321,15 +321,18 @@ def render_screen(task: GuiTask, ticked: frozenset[int]) -> Image.Image:
 class GuiEnvironment:
     """``worker.rollout.environment=examples/environments/gui.py:GuiEnvironment`` with the rows of
     ``builtin:synthetic-gui``. Every step answers [screenshot, text]; the episode ends on OK, or
-    at the step limit."""
+    at the step limit. The info of ``reset`` and ``step`` names the screen (``state_key``: the
+    ticked boxes, what the screenshot shows); a step's also says ``outcome`` (None while the
+    episode runs, else success, failed or step_limit) and ``success``."""
 
-    def reset(self, row: dict) -> None:
+    def reset(self, row: dict) -> dict:
         """row: the data row's columns; ``seed`` and ``task`` rebuild its screen (``max_steps``: optional)."""
         missing = [key for key in ("seed", "task") if key not in row]
         if missing:
             raise ValueError(f"GuiEnvironment: the data row has no {' and no '.join(missing)} column; use the rows of "
                              "builtin:synthetic-gui or give each row a 'seed' (integer) and a 'task' (tick or untick)")
         self.start(make_task(int(row["seed"]), str(row["task"]), row.get("max_steps")))
+        return {"state_key": self.state_key()}
 
     def start(self, task: GuiTask) -> None:
         """Begin an episode of ``task`` (what ``reset`` does with the row's)."""
@@ -338,10 +341,18 @@ class GuiEnvironment:
     def screenshot(self) -> Image.Image:
         return render_screen(self.task, self.state.ticked)
 
+    def state_key(self) -> str:
+        """The screen's identity: the ticked boxes (the step count is not on the screen)."""
+        return "ticked " + ",".join(str(label) for label in sorted(self.state.ticked))
+
     def step(self, action: str):
-        """action: the text of the model's turn. Returns ([screenshot, message], done, reward)."""
+        """action: the text of the model's turn. Returns ([screenshot, message], done, reward, info)."""
         if self.state.outcome is not None:
-            return None, True, 0.0
+            return None, True, 0.0, self.info()
         result = advance(self.task, self.state, action)
         self.state = result.state
-        return [self.screenshot(), result.message], self.state.outcome is not None, result.reward
+        return [self.screenshot(), result.message], self.state.outcome is not None, result.reward, self.info()
+
+    def info(self) -> dict:
+        outcome = self.state.outcome
+        return {"state_key": self.state_key(), "outcome": outcome, "success": outcome == "success"}

@@ -19,7 +19,12 @@ and the rollout Batch it returns has the single-turn layout (``RolloutEngine.gen
 - ``multi_modal_inputs``: the prompt's vision inputs followed by those of each tool image;
 - ``trajectory`` (object): per sample, ``messages`` (the turns after the prompt, role ``assistant``
   / ``tool`` / ``user``), ``tool_calls`` (name, arguments, ok, error), ``num_turns``, ``finish``
-  (``answer``, ``max_turns``, ``max_tokens``, ``done``) and ``environment_reward``.
+  (``answer``, ``max_turns``, ``max_tokens``, ``done``), ``environment_reward`` and
+  ``environment_info`` (the last step's info dict, {} with tools);
+- with an environment, per model turn (a step; S = ``max_turns`` columns, 0 past the sample's turns):
+  ``step_rewards`` (B, S) float, the step's reward (0 for a turn that ended the budget unstepped);
+  ``step_anchors`` (B, S) int64, the state the turn acted from (``state_anchor``); and per response
+  token ``turn_index`` (B, T) int64, the model turn it belongs to, -1 on observation and padding.
 
 A sample stops when its turn calls no tool (tools) or the environment says done, at
 ``max_turns`` model turns, or when the response budget is spent (a tool result that leaves no
@@ -39,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from easyvlm.agents.environment import environment_step
+from easyvlm.agents.environment import environment_step, state_anchor
 from easyvlm.agents.parse import parse_tool_calls
 from easyvlm.agents.settings import AgentSettings
 from easyvlm.agents.render import Segment, TurnRenderer, content_of
@@ -70,6 +75,7 @@ class _Sample:
     response: list[int] = field(default_factory=list)
     raw_response: list[int] = field(default_factory=list)
     model_mask: list[bool] = field(default_factory=list)
+    turn_ids: list[int] = field(default_factory=list)  # per response token: its model turn, -1 if not the model's
     logprobs: list[float] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
@@ -77,6 +83,10 @@ class _Sample:
     finish: str | None = None
     env: Any = None
     environment_reward: float = 0.0
+    environment_info: dict = field(default_factory=dict)  # the last step's
+    state: int = 0  # the environment's state (state_anchor) after the last reset or step
+    step_rewards: list[float] = field(default_factory=list)  # per model turn
+    step_anchors: list[int] = field(default_factory=list)  # per model turn: the state it acted from
     originals: list | None = None  # the row's full-resolution images, once a tool asked for them
     num_prompt_images: int = 0
 
@@ -87,6 +97,7 @@ class _Sample:
         self.response += list(ids)
         self.raw_response += list(raw_ids)
         self.model_mask += [model] * len(ids)
+        self.turn_ids += [self.num_turns if model else -1] * len(ids)  # num_turns: the turn being added
         self.logprobs += list(logprobs) if model else [0.0] * len(ids)
 
 
@@ -163,7 +174,8 @@ class MultiTurnRollout:
                 extra = (repeated.get("extra") or [None] * len(repeated))[row] or {}
                 truth = repeated["ground_truth"][row] if "ground_truth" in repeated else None
                 sample.env = self.environment()
-                sample.env.reset({**extra, "ground_truth": truth})
+                info = sample.env.reset({**extra, "ground_truth": truth})
+                sample.state = state_anchor(info if isinstance(info, dict) else {})
             samples.append(sample)
         return samples
 
@@ -204,6 +216,9 @@ class MultiTurnRollout:
                     repeated: Batch, originals: list | None) -> None:
         s.add(ids, ids, model=True, logprobs=logprobs)
         s.num_turns += 1
+        if self.environment is not None:  # the turn is a step from the current state, reward 0 until stepped
+            s.step_anchors.append(s.state)
+            s.step_rewards.append(0.0)
         ended = bool(ids) and ids[-1] in self.eos_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         s.messages.append({"role": "assistant", "content": text})
@@ -212,8 +227,10 @@ class MultiTurnRollout:
             s.finish = "max_tokens"
             return
         if self.environment is not None:
-            observation, done, reward = environment_step(s.env, text, self.settings.tool_timeout)
+            observation, done, reward, info = environment_step(s.env, text, self.settings.tool_timeout)
             s.environment_reward += reward
+            s.step_rewards[-1], s.environment_info = reward, info
+            s.state = state_anchor(info, observation)
             if observation.error is not None:
                 s.tool_calls.append({"name": "environment", "arguments": text, "ok": False, "error": observation.error})
             if done:
@@ -312,15 +329,31 @@ class MultiTurnRollout:
                         "num_turns": s.num_turns,
                         "finish": s.finish,
                         "environment_reward": s.environment_reward,
+                        "environment_info": s.environment_info,
                         "images": s.images[s.num_prompt_images:],
                     }
                     for s in samples
                 ],
             },
         )
+        if self.environment is not None:
+            new = new.union(self._step_batch(samples))
         if "multi_modal_inputs" in rest:
             rest.pop("multi_modal_inputs")
         return rest.union(new)
+
+    def _step_batch(self, samples: list[_Sample]) -> Batch:
+        """``turn_index`` (B, T), ``step_rewards`` and ``step_anchors`` (B, max_turns): what a
+        step-level estimator (gigpo) reads."""
+        B, S = len(samples), self.settings.max_turns
+        turn_index = torch.full((B, self.response_length), -1, dtype=torch.long)
+        step_rewards = torch.zeros(B, S, dtype=torch.float32)
+        step_anchors = torch.zeros(B, S, dtype=torch.long)
+        for k, s in enumerate(samples):
+            turn_index[k, : len(s.turn_ids)] = torch.tensor(s.turn_ids, dtype=torch.long)
+            step_rewards[k, : len(s.step_rewards)] = torch.tensor(s.step_rewards, dtype=torch.float32)
+            step_anchors[k, : len(s.step_anchors)] = torch.tensor(s.step_anchors, dtype=torch.long)
+        return Batch({"turn_index": turn_index, "step_rewards": step_rewards, "step_anchors": step_anchors})
 
 
 def _record(role: str, name: str, result: ToolResult) -> dict:

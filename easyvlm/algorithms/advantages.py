@@ -24,6 +24,8 @@ Departures from the papers:
   over all valid tokens of the batch, with eps=1e-8 inside the square root.
 - remax: the advantage is sequence-level, sum_t r_t - b (the paper's REINFORCE form);
   ``returns`` are the undiscounted rewards-to-go.
+- gigpo: a step group of one step gets step advantage 0 (verl-agent: its raw discounted return);
+  one sample per trajectory (verl-agent: one row per step), see docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch import Tensor
 
 from easyvlm.algorithms.masked import check_mask, masked_sum, masked_whiten, zero_masked
 from easyvlm.algorithms.registry import Registry
+from easyvlm.algorithms.step_groups import on_step_tokens, step_group_ids, step_returns, steps_taken
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,13 @@ class AdvantageInputs:
     eps: float = 1e-6
     """Added to the group std before dividing (grpo, grpo_passk)."""
     norm_by_std: bool = True
-    """grpo / grpo_passk: divide by the group std; False = Dr. GRPO (arXiv:2503.20783)."""
+    """grpo / grpo_passk / gigpo: divide by the group std; False = Dr. GRPO (arXiv:2503.20783)."""
+    turn_index: Tensor | None = None
+    """(B, T) int64: the step (model turn) of each response token, -1 elsewhere (gigpo only)."""
+    step_rewards: Tensor | None = None
+    """(B, S) float: each step's reward from the environment, 0 past a sample's steps (gigpo only)."""
+    step_anchors: Tensor | None = None
+    """(B, S) int64: the identity of the state each step started from (gigpo only)."""
 
     def __post_init__(self) -> None:
         if self.token_rewards.dim() != 2:
@@ -79,6 +88,22 @@ class AdvantageInputs:
             raise ValueError(f"values {tuple(self.values.shape)} != token_rewards {tuple(self.token_rewards.shape)}")
         if self.baseline_rewards is not None and self.baseline_rewards.shape != (batch_size,):
             raise ValueError(f"baseline_rewards must be ({batch_size},), got {tuple(self.baseline_rewards.shape)}")
+        self._check_steps()
+
+    def _check_steps(self) -> None:
+        steps = (self.turn_index, self.step_rewards, self.step_anchors)
+        if all(x is None for x in steps):
+            return
+        if any(x is None for x in steps):
+            raise ValueError("turn_index, step_rewards and step_anchors come together (or none of them)")
+        B, S = self.token_rewards.shape[0], self.step_rewards.shape[-1]
+        if self.turn_index.shape != self.token_rewards.shape:
+            raise ValueError(f"turn_index {tuple(self.turn_index.shape)} != token_rewards {tuple(self.token_rewards.shape)}")
+        if self.step_rewards.shape != (B, S) or self.step_anchors.shape != (B, S):
+            raise ValueError(f"step_rewards {tuple(self.step_rewards.shape)} and step_anchors "
+                             f"{tuple(self.step_anchors.shape)} must both be (B, S) with B = {B}")
+        if self.turn_index.numel() and int(self.turn_index.max()) >= S:
+            raise ValueError(f"turn_index names step {int(self.turn_index.max())}, but there are {S} step columns")
 
 
 @dataclass(frozen=True)
@@ -180,6 +205,13 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
 
 
 # ----------------------------------------------------------------------------- estimators
+
+
+def group_normalised(values: Tensor, group_ids: Tensor, norm_by_std: bool, eps: float) -> Tensor:
+    """(values - group mean) [/ (group std + eps)]: GRPO's normalisation of (N,) values, 0 for a group of one."""
+    mean, std, _ = group_stats(values, group_ids)
+    centred = values - mean  # exactly 0 for a group of one (its mean is itself)
+    return centred / (std + eps) if norm_by_std else centred
 
 
 @register_advantage("gae")
@@ -328,3 +360,36 @@ def gpg_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
     valid = std > 0  # a group of one has std 0
     alpha = rewards.numel() / max(int(valid.sum().item()), 1)
     return _outcome(alpha * (rewards - mean) * valid, inputs.response_mask)
+
+
+# GiGPO's weight of the step advantage (omega); verl-agent's default step_advantage_w, not a config key.
+STEP_ADVANTAGE_WEIGHT = 1.0
+
+
+@register_advantage("gigpo")
+@torch.no_grad()
+def gigpo_advantages(inputs: AdvantageInputs) -> AdvantageOutputs:
+    """GiGPO (Feng et al. 2025, arXiv:2505.10978): episode and step advantages on each step's tokens.
+
+    A = A_E + omega * A_S(k) on the tokens of step k (omega = STEP_ADVANTAGE_WEIGHT = 1). A_E: grpo
+    over the group's sequence rewards. A_S(k): the step's discounted return G_k = r_k + gamma G_{k+1}
+    (``step_rewards``, ``gamma``) normalised as grpo within its step group: the steps of the same
+    prompt group that start from the same anchor state (``step_anchors``). Needs ``turn_index``,
+    ``step_rewards`` and ``step_anchors`` (a run with worker.rollout.environment).
+    """
+    return weighted_gigpo_advantages(inputs, STEP_ADVANTAGE_WEIGHT)
+
+
+def weighted_gigpo_advantages(inputs: AdvantageInputs, step_weight: float) -> AdvantageOutputs:
+    """gigpo with omega = ``step_weight`` (0: grpo exactly)."""
+    if inputs.turn_index is None:
+        raise ValueError("adv_estimator 'gigpo' needs per-step inputs (AdvantageInputs.turn_index, step_rewards, "
+                         "step_anchors), which multi-turn runs with worker.rollout.environment make")
+    episode = grpo_advantages(inputs).advantages  # (B, T)
+    taken = steps_taken(inputs.turn_index, inputs.step_rewards.shape[1])  # (B, S)
+    returns = step_returns(inputs.step_rewards.float(), inputs.gamma)
+    step_ids = step_group_ids(inputs.group_ids, inputs.step_anchors, taken)
+    step = torch.zeros_like(returns)
+    step[taken] = group_normalised(returns[taken], step_ids, inputs.norm_by_std, inputs.eps)
+    advantages = zero_masked(episode + step_weight * on_step_tokens(step, inputs.turn_index), inputs.response_mask)
+    return AdvantageOutputs(advantages=advantages, returns=advantages)

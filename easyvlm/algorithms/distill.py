@@ -20,21 +20,49 @@ Three forms (``algorithm.distill_*``; docs/algorithms.md compares them with verl
 - as reward (``distill_as_reward``): :func:`distill_advantages`, the teacher's log-prob advantage
   -d_t as each token's advantage, optimised by the policy loss (the ratio's gradient at the sampling
   weights is again d_t grad log pi_s, with the sign of a loss to minimise).
+
+Off-policy samples. The one-sample form is unbiased only for tokens drawn from the current student.
+After the first of several mini-batches or epochs the tokens come from a behaviour policy pi_b (the
+weights before the update); :func:`off_policy_weights` gives the importance weight that restores the
+expectation, E_{y~pi_b}[w d grad log pi_s] = E_{y~pi_s}[d grad log pi_s] with w = pi_s(y) / pi_b(y).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss
 from easyvlm.algorithms.masked import check_mask, masked_mean, zero_masked
+from easyvlm.algorithms.rollout_correction import SAFETY_BOUND
 
 
-def reverse_kl_surrogate(logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+def reverse_kl_surrogate(logprobs: Tensor, teacher_logprobs: Tensor, weights: Tensor | None = None) -> Tensor:
     """(B, T) per-token one-sample reverse KL: value d = log pi_s - log pi_T (the estimate), gradient
-    d * grad log pi_s (the estimate of the KL's gradient). ``logprobs`` carries the gradient."""
+    d * grad log pi_s (the estimate of the KL's gradient). ``logprobs`` carries the gradient.
+    ``weights`` (detached, :func:`off_policy_weights`): value w d, gradient w d grad log pi_s."""
     d = (logprobs - teacher_logprobs).detach()
+    if weights is not None:
+        d = d * weights.detach()
     return d * (1.0 + logprobs - logprobs.detach())
+
+
+def off_policy_weights(logprobs: Tensor, behaviour_logprobs: Tensor, upper: float) -> Tensor:
+    """(B, T) detached importance weights w = min(pi_s(y) / pi_b(y), upper) of the sampled tokens.
+
+    The one-sample loss's gradient d grad log pi_s estimates the reverse KL's gradient only for
+    y ~ pi_s; for y drawn from a behaviour policy pi_b (the student before the update, once an earlier
+    mini-batch or epoch has moved it; or a stale sampler) the estimator
+
+        w d grad log pi_s,   w = exp(log pi_s(y) - log pi_b(y)),
+
+    has the same expectation, sum_y pi_b(y) (pi_s(y) / pi_b(y)) d_y grad log pi_s(y). The weight is
+    truncated from above at ``upper`` as the rollout correction's truncated IS does (the log clamped
+    to [-20, 20] first; ``rollout_correction.importance_weights``): a little bias for a bounded
+    variance. When pi_b is the current student, log pi_s - log pi_b = 0 and w = 1 exactly
+    (with upper >= 1), so the weighted loss equals the unweighted one bit for bit."""
+    log_ratio = (logprobs.detach() - behaviour_logprobs.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return torch.exp(log_ratio).clamp(max=upper)
 
 
 def distill_loss(
@@ -43,12 +71,15 @@ def distill_loss(
     response_mask: Tensor,
     loss_avg_mode: str = "token",
     normalizer: float | None = None,
+    weights: Tensor | None = None,
 ) -> Tensor:
     """The one-sample distillation loss, aggregated like the policy loss (0-d, with grad).
-    logprobs (with grad), teacher_logprobs: (B, T); response_mask: (B, T) bool."""
+    logprobs (with grad), teacher_logprobs: (B, T); response_mask: (B, T) bool; weights: None or the
+    (B, T) off-policy importance weights (:func:`off_policy_weights`)."""
     check_mask(response_mask, logprobs)
     # padding may hold garbage (even NaN): keep it out of the value and the gradient
-    per_token = reverse_kl_surrogate(zero_masked(logprobs, response_mask), zero_masked(teacher_logprobs, response_mask))
+    per_token = reverse_kl_surrogate(zero_masked(logprobs, response_mask), zero_masked(teacher_logprobs, response_mask),
+                                     None if weights is None else zero_masked(weights, response_mask))
     return aggregate_loss(per_token, response_mask, loss_avg_mode, normalizer)
 
 

@@ -92,6 +92,23 @@ def kl_full(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (probs * difference).sum(-1)
 
 
+def kl_full_shared_rows(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
+    """:func:`kl_full` of two (B, T, V) / (B, T, V') log-distributions over their first min(V, V')
+    ids: models of one tokenizer whose output layers are padded past it to different sizes
+    (Qwen2.5-VL-7B has 152,064 rows and 3B 151,936 for the same 151,665 tokens; on-policy
+    distillation's teacher, ``algorithm.distill_full_kl``). Of equal widths: ``kl_full`` itself.
+
+    The rows past the tokenizer hold no token, and sampling blocks them (-inf, rollout/tokens.py
+    ``blocked_token_ids``), so each side has all its mass on the shared rows and this is the KL of
+    the two distributions. Each side is renormalised over the shared rows all the same (a no-op,
+    up to rounding, where the rows cut are blocked), so that mass left on a cut row cannot make the
+    result something other than a KL between two distributions."""
+    if logprobs.shape[-1] == other_logprobs.shape[-1]:
+        return kl_full(logprobs, other_logprobs)
+    shared = min(logprobs.shape[-1], other_logprobs.shape[-1])
+    return kl_full(torch.log_softmax(logprobs[..., :shared], dim=-1), torch.log_softmax(other_logprobs[..., :shared], dim=-1))
+
+
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate of the given kind (see module doc). (B, T) [or (B, T, V) for full] -> (B, T).
 

@@ -10,7 +10,7 @@ loop parse it into a `RolloutCorrection`; the weights and masks are made by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 IS_LEVELS = ("token", "sequence")
@@ -36,7 +36,8 @@ class RolloutCorrectionConfig:
     log-probs, so the step computes them (one forward pass) even when the update is on-policy."""
     rollout_is_threshold: str = "2.0"
     """A number u: truncated IS, weights above u become u. A string `l_u` (e.g. `0.5_2.0`): IcePop,
-    weights outside [l, u] become 0."""
+    weights outside [l, u] become 0. Its u also truncates the off-policy weight of on-policy
+    distillation's one-sample loss (settable for that without rollout_is)."""
     rollout_is_batch_normalize: bool = False
     """Divide the weights by their mean over the step's batch (after truncation)."""
     rollout_rs: Optional[str] = None
@@ -58,6 +59,18 @@ class RolloutCorrectionConfig:
     def active(self) -> bool:
         """Whether the policy loss changes (weights or rejection); else only metrics are logged."""
         return self.rollout_is is not None or self.rollout_rs is not None
+
+
+def staleness_correction(rc: RolloutCorrectionConfig, max_staleness: int, correct: bool) -> RolloutCorrectionConfig:
+    """The rollout correction a run trains with. Asynchronous (``max_staleness`` >= 1, ``correct``:
+    ``worker.rollout.correct_staleness``) with nothing set in the section: token-level truncated
+    importance weights, ``rollout_is=token`` at the section's threshold. With the old-log-prob pass
+    that it turns on, that is decoupled PPO (AReaL): the ratio is clipped around the proximal policy
+    pi_old (the weights the update starts from) and each token is weighted by pi_old / pi_behaviour,
+    its own sampler's log-prob (per token under partial rollouts). Otherwise ``rc`` as set."""
+    if max_staleness < 1 or not correct or rc.active or rc.bypass_mode:
+        return rc
+    return replace(rc, rollout_is="token")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from PIL import Image, ImageDraw
 
@@ -259,16 +260,31 @@ def generate_rows(split: str, num_samples: int, tasks: dict[str, float], seed: i
 
 def write_dataset(out_dir: Path, split: str, num_samples: int, tasks: dict[str, float]) -> Path:
     """Write ``<out_dir>/<split>.jsonl`` and ``<out_dir>/images/<split>_NNNNNN.png``."""
+    return write_image_rows(out_dir, split, generate_rows(split, num_samples, tasks), ("task", "options"))
+
+
+def write_image_rows(out_dir: Path, split: str, samples: Iterable[tuple[Image.Image, dict]],
+                     columns: tuple[str, ...]) -> Path:
+    """Write (image, row) pairs as ``<out_dir>/<split>.jsonl`` and ``images/<split>_NNNNNN.png``:
+    each line holds the row's problem and answer, its image's path and the row's ``columns``
+    (every image data set built here: this one, zoom, GUI)."""
+    out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{split}.jsonl"
     with open(jsonl, "w") as f:
-        for i, (image, row) in enumerate(generate_rows(split, num_samples, tasks)):
+        for i, (image, row) in enumerate(samples):
             rel = f"images/{split}_{i:06d}.png"
             (out_dir / rel).write_bytes(png_bytes(image))
-            columns = {"problem": row["problem"], "answer": row["answer"], "images": [rel]}
-            row = {**columns, "task": row["task"], "options": row["options"]}
-            f.write(json.dumps(row) + "\n")
+            line = {"problem": row["problem"], "answer": row["answer"], "images": [rel], **{k: row[k] for k in columns}}
+            f.write(json.dumps(line) + "\n")
     return jsonl
+
+
+def build_split(target: Path, split: str, num_samples: int, write: Callable[[Path, str, int], Path]) -> Path:
+    """``target/<split>.jsonl``, written once by ``write(out_dir, split, num_samples)`` (atomically:
+    ``build_once``) and cached."""
+    build_once(target, lambda out: write(out, split, num_samples))
+    return target / f"{split}.jsonl"
 
 
 def dataset_cache_dir(

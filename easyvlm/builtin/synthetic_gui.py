@@ -18,7 +18,6 @@ the first screenshot and the instruction picks the split, so val and test screen
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 from pathlib import Path
@@ -26,8 +25,7 @@ from pathlib import Path
 from PIL import Image
 
 from easyvlm.agents.gui import KINDS, make_task, render_screen, solution
-from easyvlm.builtin.synthetic import SyntheticDatasetError, distinct_samples, png_bytes, sized_cache_dir
-from easyvlm.utils.cache import build_once
+from easyvlm.builtin.synthetic import SyntheticDatasetError, build_split, distinct_samples, sized_cache_dir, write_image_rows
 
 # Bump when the screens, the tasks or the row format change (it is part of the cache key).
 BUILD_VERSION = 1
@@ -53,16 +51,8 @@ def _content_hash(image: Image.Image, problem: str) -> bytes:
 
 
 def write_dataset(out_dir: Path, split: str, num_samples: int) -> Path:
-    out_dir = Path(out_dir)
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / f"{split}.jsonl"
-    with open(jsonl, "w") as f:
-        for i, (image, row) in enumerate(distinct_samples(split, num_samples, TASK_MIX, render_sample, _content_hash, KINDS)):
-            rel = f"images/{split}_{i:06d}.png"
-            (out_dir / rel).write_bytes(png_bytes(image))
-            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"], "images": [rel], "task": row["task"],
-                                "seed": row["seed"], "max_steps": row["max_steps"]}) + "\n")
-    return jsonl
+    samples = distinct_samples(split, num_samples, TASK_MIX, render_sample, _content_hash, KINDS)
+    return write_image_rows(out_dir, split, samples, ("task", "seed", "max_steps"))
 
 
 def dataset_cache_dir(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-gui",
@@ -76,6 +66,4 @@ def materialize_dataset(split: str, cache_dir: str | os.PathLike | None = None, 
                         num_samples: int | None = None) -> Path:
     """The JSONL file of ``builtin:synthetic-gui@<split>``, generated once (atomically) and cached."""
     target = dataset_cache_dir(split, cache_dir, name, num_samples)
-    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
-    build_once(target, lambda out: write_dataset(out, split, n))
-    return target / f"{split}.jsonl"
+    return build_split(target, split, DEFAULT_SIZES[split] if num_samples is None else num_samples, write_dataset)

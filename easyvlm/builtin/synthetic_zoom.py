@@ -28,15 +28,14 @@ rule (:func:`easyvlm.builtin.synthetic.distinct_samples`).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 from pathlib import Path
 
 from PIL import Image
 
-from easyvlm.builtin.synthetic import PALETTE, SyntheticDatasetError, distinct_samples, png_bytes, sized_cache_dir
-from easyvlm.utils.cache import build_once
+from easyvlm.builtin.synthetic import (PALETTE, SyntheticDatasetError, build_split, distinct_samples, sized_cache_dir,
+                                       write_image_rows)
 
 # Bump when rendering, questions or row format change (it is part of the cache key).
 BUILD_VERSION = 2
@@ -98,16 +97,8 @@ def _content_hash(image: Image.Image, problem: str) -> bytes:
 
 
 def write_dataset(out_dir: Path, split: str, num_samples: int) -> Path:
-    out_dir = Path(out_dir)
-    (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    jsonl = out_dir / f"{split}.jsonl"
-    with open(jsonl, "w") as f:
-        for i, (image, row) in enumerate(distinct_samples(split, num_samples, {"zoom": 1.0}, render_sample, _content_hash, TASKS)):
-            rel = f"images/{split}_{i:06d}.png"
-            (out_dir / rel).write_bytes(png_bytes(image))
-            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"], "images": [rel], "task": row["task"],
-                                "options": row["options"], "quadrant": row["quadrant"], "box": row["box"]}) + "\n")
-    return jsonl
+    samples = distinct_samples(split, num_samples, {"zoom": 1.0}, render_sample, _content_hash, TASKS)
+    return write_image_rows(out_dir, split, samples, ("task", "options", "quadrant", "box"))
 
 
 def dataset_cache_dir(split: str, cache_dir: str | os.PathLike | None = None, name: str = "synthetic-zoom",
@@ -121,9 +112,7 @@ def materialize_dataset(split: str, cache_dir: str | os.PathLike | None = None, 
                         num_samples: int | None = None) -> Path:
     """The JSONL file of ``builtin:synthetic-zoom@<split>``, generated once (atomically) and cached."""
     target = dataset_cache_dir(split, cache_dir, name, num_samples)
-    n = DEFAULT_SIZES[split] if num_samples is None else num_samples
-    build_once(target, lambda out: write_dataset(out, split, n))
-    return target / f"{split}.jsonl"
+    return build_split(target, split, DEFAULT_SIZES[split] if num_samples is None else num_samples, write_dataset)
 
 
 def zoom_call(box: list[int]) -> str:

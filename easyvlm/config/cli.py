@@ -1,12 +1,13 @@
 """Command-line front end: argv -> a validated `PPOConfig`, or a clean error and exit status 2.
 
-``easyvlm/trainer/main.py`` calls `parse_and_validate(sys.argv[1:])` before Ray starts.
+The commands call `parse_and_validate(sys.argv[1:])` once, before anything heavy starts: the trainer
+and evaluation through ``easyvlm.plan.launch``, reward-model training with its own schema.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import NoReturn, Sequence
+from typing import Callable, NoReturn, Sequence, TypeVar
 
 from easyvlm.config.errors import Problem, format_problems
 from easyvlm.config.loader import load_config_collecting, to_yaml
@@ -19,17 +20,27 @@ _TRUE = ("true", "yes", "1", "on")
 _FALSE = ("false", "no", "0", "off")
 
 
-def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
+Config = TypeVar("Config")
+
+
+def _run_config_problems(cfg: PPOConfig) -> list[Problem]:
+    return find_problems(cfg, check_files=True)
+
+
+def parse_and_validate(argv: Sequence[str], schema: type[Config] = PPOConfig,
+                       checks: Callable[[Config], list[Problem]] = _run_config_problems) -> Config:
     """Load ``config=file.yaml`` and ``key=value`` overrides, validate, and return the config.
 
     On any problem, print ``easyvlm: config error:`` and one line per problem to stderr and exit
     with status 2 (no traceback). With ``print_config=true`` (or ``--print-config``), print the
-    resolved config as YAML and exit 0. Local files the config names must exist.
+    resolved config as YAML and exit 0. Local files the config names must exist. ``schema`` and
+    ``checks``: another command's config and its rules (`easyvlm.rm.config`); the checks also run
+    when some values did not load (those keep their defaults), so every problem is listed at once.
     """
     args, print_config, problems = take_print_flag(argv)
-    cfg, load_problems = load_config_collecting(args)
+    cfg, load_problems = load_config_collecting(args, schema=schema)
     problems += load_problems
-    problems += find_problems(cfg, check_files=True)
+    problems += checks(cfg)
     if problems:
         exit_with_problems(problems)
     if print_config:
@@ -40,8 +51,7 @@ def parse_and_validate(argv: Sequence[str]) -> PPOConfig:
 
 
 def take_print_flag(argv: Sequence[str]) -> tuple[list[str], bool, list[Problem]]:
-    """(the other arguments, whether ``print_config=true`` / ``--print-config`` was given, problems):
-    shared by the trainers' command lines (``easyvlm.trainer.main``, ``easyvlm.rm``)."""
+    """(the other arguments, whether ``print_config=true`` / ``--print-config`` was given, problems)."""
     args, print_config, problems = [], False, []
     for arg in argv:
         key, sep, value = arg.partition("=")

@@ -23,9 +23,10 @@ ADV_ESTIMATORS: tuple[str, ...] = (
     "reinforce_plus_plus_baseline",
     "remax",
     "gpg",
+    "gigpo",
 )
 # Estimators whose baseline is computed from the other samples of the same prompt.
-GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "gpg")
+GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "grpo_passk", "rloo", "reinforce_plus_plus_baseline", "gpg", "gigpo")
 POLICY_LOSSES: tuple[str, ...] = (
     "default", "gspo", "gspo_token", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg",
 )

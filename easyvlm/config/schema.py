@@ -35,18 +35,18 @@ from easyvlm.config.worker_schema import WorkerConfig
 @fields_of(KLSettings, after="adv_estimator", read_as="kl")
 class AlgorithmConfig:
     gamma: float = 1.0
-    """Discount factor (GAE, REINFORCE++)."""
+    """Discount factor (GAE, REINFORCE++; GiGPO's per step, 0.95 in verl-agent's examples)."""
     lam: float = 1.0
     """GAE's lambda."""
     adv_estimator: str = "grpo"
     """Advantage estimator: gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax, or your own as `path/to/file.py:func`. gae needs the
-    critic (a value model)."""
+    reinforce_plus_plus_baseline, remax, gpg, gigpo, or your own as `path/to/file.py:func`. gae
+    needs the critic (a value model); gigpo (step-level credit) needs `worker.rollout.environment`."""
     # here: the KL penalty's keys, disable_kl ... use_bias_correction_kl (KLSettings)
     # here: online filtering's keys, online_filtering ... filter_high (OnlineFilterSettings)
     norm_adv_by_std_in_grpo: bool = True
-    """easyvlm extra. GRPO divides advantages by the group's standard deviation; False gives
-    Dr. GRPO (arXiv:2503.20783), which does not."""
+    """easyvlm extra. GRPO divides advantages by the group's standard deviation (GiGPO: its
+    episode and step groups'); False gives Dr. GRPO (arXiv:2503.20783), which does not."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """easyvlm extra (TRL's key), for several `worker.reward.reward_functions`. sum_then_normalize:
     the estimator gets their weighted sum (`overall`). normalize_then_sum (GDPO, arXiv:2601.05242):

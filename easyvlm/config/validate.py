@@ -94,9 +94,13 @@ def notices(cfg: PPOConfig) -> list[str]:
     rc = a.rollout_correction
     if (r.one_step_off or r.max_staleness > 0) and not (rc.active or rc.bypass_mode):
         key = "worker.rollout.one_step_off=true" if r.one_step_off else f"worker.rollout.max_staleness={r.max_staleness}"
-        lines.append(f"{key} trains on samples from weights up to {max(r.max_staleness, 1)} step(s) old with no "
-                     "rollout correction; set algorithm.rollout_correction.rollout_is=token (or bypass_mode=true) to "
-                     "correct for the staleness")
+        if r.correct_staleness:
+            lines.append(f"{key}: samples up to {max(r.max_staleness, 1)} update(s) old are trained with token-level "
+                         "importance weights pi_old / pi_rollout (algorithm.rollout_correction.rollout_is=token, "
+                         "decoupled PPO); worker.rollout.correct_staleness=false trains them as if fresh")
+        else:
+            lines.append(f"{key} trains on samples from weights up to {max(r.max_staleness, 1)} step(s) old with no "
+                         "rollout correction (worker.rollout.correct_staleness=false)")
     return lines
 
 
@@ -178,9 +182,15 @@ def _check_algorithm(c: Checks) -> None:
         c.add("algorithm.use_bias_correction_kl", "corrects a sampled KL estimate, but algorithm.kl_penalty=full is "
               "exact (a sum over the vocabulary); use kl_penalty=low_var_kl, or remove use_bias_correction_kl")
 
-    if not a.norm_adv_by_std_in_grpo and a.adv_estimator in ADV_ESTIMATORS and a.adv_estimator not in ("grpo", "grpo_passk"):
+    std_divided = ("grpo", "grpo_passk", "gigpo")
+    if not a.norm_adv_by_std_in_grpo and a.adv_estimator in ADV_ESTIMATORS and a.adv_estimator not in std_divided:
         c.add("algorithm.norm_adv_by_std_in_grpo", f"is false, but algorithm.adv_estimator={a.adv_estimator} does not "
-              "divide by a group std (only grpo and grpo_passk do); remove it, or use adv_estimator=grpo for Dr. GRPO")
+              "divide by a group std (only grpo, grpo_passk and gigpo do); remove it, or use adv_estimator=grpo for "
+              "Dr. GRPO")
+    if a.adv_estimator == "gigpo" and c.cfg.worker.rollout.environment is None:
+        c.add("algorithm.adv_estimator", "is gigpo, whose step-level advantages compare the steps of an environment's "
+              "episodes, but worker.rollout.environment is unset; set it (e.g. "
+              "examples/environments/gui.py:GuiEnvironment), or use adv_estimator=grpo")
 
     n = c.cfg.worker.rollout.n
     if a.adv_estimator in GROUP_ADV_ESTIMATORS and n < 2:
@@ -250,9 +260,15 @@ def _check_rollout_correction(c: Checks) -> None:
                   "'0.5_2.0' (YAML reads 0.5_2 as the number 0.52)")
     except ValueError as exc:
         c.add(f"{p}.rollout_is_threshold", str(exc))
+    # the keys that act without rollout_is: the threshold caps the one-sample distillation loss's
+    # off-policy weight; both configure the staleness correction (staleness_correction: rollout_is=token)
+    d, r = c.cfg.algorithm.distill, c.cfg.worker.rollout
+    acting = ("rollout_is_threshold",) if d.distill_coef > 0 and not (d.distill_as_reward or d.distill_full_kl) else ()
+    if (r.max_staleness > 0 or r.one_step_off) and r.correct_staleness and not rc.bypass_mode and rc.rollout_rs is None:
+        acting = ("rollout_is_threshold", "rollout_is_batch_normalize")
     if rc.rollout_is is None:
         for key in ("rollout_is_threshold", "rollout_is_batch_normalize"):
-            if differs(rc, RolloutCorrectionConfig(), key):
+            if differs(rc, RolloutCorrectionConfig(), key) and key not in acting:
                 c.add(f"{p}.{key}", f"is set but {p}.rollout_is is null, so no importance weights are made; set "
                       f"{p}.rollout_is=token (or sequence), or leave {key} at its default")
     if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:

@@ -12,6 +12,9 @@ def check_placement(c: Checks, r: RolloutConfig) -> None:
     """worker.rollout.placement, num_devices, one_step_off, max_staleness, partial_rollout."""
     p = "worker.rollout"
     c.at_least(f"{p}.max_staleness", 0)
+    if not r.correct_staleness and not (r.max_staleness > 0 or r.one_step_off):
+        c.add(f"{p}.correct_staleness", f"acts only with {p}.max_staleness >= 1 (synchronous samples are never "
+              "stale); remove it or set max_staleness")
     if r.placement == "colocated":
         if r.num_devices != 1:
             c.add(f"{p}.num_devices", f"acts only with {p}.placement=separate (colocated engines use the actor's "

@@ -192,7 +192,8 @@ class TeacherModelConfig:
     model_path: Optional[str] = None
     """The teacher: `builtin:tiny-qwen2.5-vl-teacher`, a local directory in Hugging Face format or a
     hub id. It scores the student's tokens as they are, so it must share the student's tokenizer
-    and image processor (checked before start); it may be larger or of another family."""
+    and image processor (checked before start); it may be larger, have more (padding) output rows,
+    or be the MoE / dense sibling of the student's generation (qwen3_vl_moe for qwen3_vl ...)."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Values that override the teacher's `config.json` when it is loaded."""
     trust_remote_code: bool = False
@@ -242,7 +243,8 @@ class RewardConfig:
     num_cpus: int = 1
     """CPUs reserved for the reward actor."""
     timeout: float = 300.0
-    """easyvlm extra. Seconds a reward call may take before it counts as failed."""
+    """easyvlm extra. Seconds a reward function may take to score one batch (a sequential function: all
+    its samples); samples not scored by then fail."""
     on_error: Literal["raise", "zero"] = "raise"
     """easyvlm extra. A reward call that raises or times out: `raise` stops training with the
     sample; `zero` scores the sample 0 and counts it in the logs."""
@@ -397,12 +399,20 @@ class RolloutConfig:
     path): the next step's batch is generated on the separate rollout group while this step trains.
     Needs `placement: separate`."""
     max_staleness: int = 0
-    """easyvlm extra. Asynchronous rollout with bounded staleness (verl's `staleness_threshold`,
-    AReaL's `max_head_offpolicyness`, prime-rl's `max_off_policy_steps`): the rollout service keeps
-    generating while the trainer updates and never hands out a sample generated from weights more
-    than this many updates old. 0 = synchronous. The staleness is logged per step
-    (rollout/staleness_mean, rollout/staleness_max); pair it with `algorithm.rollout_correction`.
-    Needs `placement: separate`. docs/rollout.md, "Separate placement and asynchronous rollout"."""
+    """easyvlm extra. Asynchronous rollout with bounded staleness: the rollout service keeps
+    generating while the trainer updates and never hands out a sample whose oldest token was
+    sampled by weights more than this many updates older than those it trains on. 0 = synchronous.
+    The integer AReaL's `max_head_offpolicyness`, TRL's `max_staleness` and prime-rl's
+    `max_off_policy_steps` bound, each its own way; verl's `staleness_threshold` is another knob
+    (a fraction of extra samples per weight sync). Logged per step (rollout/staleness_mean,
+    rollout/staleness_max); corrected by default (`correct_staleness`). Needs `placement:
+    separate`. docs/rollout.md, "How `max_staleness` compares"."""
+    correct_staleness: bool = True
+    """easyvlm extra. With `max_staleness` >= 1 (or `one_step_off`) and nothing set in
+    `algorithm.rollout_correction`: train the stale samples with the off-policy objective, token-level
+    truncated importance weights pi_old / pi_rollout (`rollout_correction.rollout_is=token` at its
+    `rollout_is_threshold`; with the old-log-prob pass this turns on, AReaL's decoupled PPO). false:
+    train them as if fresh. docs/rollout.md, "The off-policy objective, by default"."""
     partial_rollout: bool = False
     """easyvlm extra. With `max_staleness` >= 1: new weights reach the engines between two decoding
     steps; unfinished samples keep their tokens and go on with the new weights (KV cache

@@ -14,6 +14,13 @@ Placement: a Ray placement group with one bundle per device (``{"GPU": 1, "CPU":
 as few nodes as hold their bundles (on GPU nodes with ``n_gpus_per_node`` GPUs each: ``nnodes``
 nodes). The same code runs on one laptop CPU and on a multi-node cluster started with ``ray start``
 (``RAY_ADDRESS`` / ``trainer.ray_address``); ``WorkerGroup.nodes`` says where each rank runs.
+
+Watched groups (``watched=True``: the separate rollout engines, which can be restarted): each rank
+answers a liveness ping from a thread of its own (a Ray concurrency group) while it works, and the
+group's calls wait for their answers pinging the ranks still working every ``PING_INTERVAL_S``.
+A rank that does not answer within ``PING_TIMEOUT_S`` (stopped, or hung holding the interpreter)
+is killed, so the call raises ``RayActorError`` as for a rank that died, which the caller handles by
+restarting it. A busy rank answers at once: the ping needs only a moment of its interpreter.
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from easyvlm.data.batch import Batch
 from easyvlm.workers.dist import find_free_port
+
+# Watched groups: how often a call's unanswered ranks are pinged, and how long a ping may take
+# before the rank is taken for hung (it answers from its own thread, in milliseconds when alive).
+PING_INTERVAL_S = 10.0
+PING_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,19 @@ class _RankHost:
         return cuda_peak_bytes()
 
 
+class _WatchedHost(_RankHost):
+    """A rank of a watched group: its methods run in Ray's default concurrency group (one thread,
+    one call at a time, as in any rank) and ``alive`` in a group of its own, answered meanwhile."""
+
+    @ray.method(concurrency_group="ping")
+    def alive(self) -> bool:
+        return True
+
+    @ray.method(concurrency_group="ping")
+    def pid(self) -> int:  # answered while the rank works (fault tests signal it mid-generation)
+        return os.getpid()
+
+
 class WorkerGroup:
     def __init__(
         self,
@@ -116,6 +141,7 @@ class WorkerGroup:
         factory: Callable[[], Any],
         pg: PlacementGroup | None = None,
         share: float = 1.0,
+        watched: bool = False,
     ):
         """Start ``world_size`` ranks and build ``factory()`` (a picklable callable) in each.
 
@@ -123,6 +149,8 @@ class WorkerGroup:
         ``share`` is the fraction of each bundle (CPUs, GPU) one rank of this group asks for; the
         groups that share a placement group must ask for at most 1 in total (e.g. 0.5 each for the
         hybrid worker and the critic), else the second group waits forever for its resources.
+        ``watched``: a rank that stops answering is killed during a call (module doc); only for
+        ranks without a process group, which ``restart`` can replace.
         """
         if not 0 < share <= 1:
             raise ValueError(f"WorkerGroup {name!r}: share must be in (0, 1], got {share}")
@@ -132,7 +160,8 @@ class WorkerGroup:
         self._owns_pg = pg is None
         self.pg = pg or placement_group([bundle] * self.world_size, strategy="PACK", name=f"easyvlm-{name}")
         ray.get(self.pg.ready())
-        host_cls = ray.remote(_RankHost)
+        self.watched = watched
+        host_cls = ray.remote(concurrency_groups={"ping": 1})(_WatchedHost) if watched else ray.remote(_RankHost)
         cpus = resources.cpus_per_worker * share
 
         def start(rank: int, addr: str, port: int, name: str | None = None):
@@ -181,7 +210,33 @@ class WorkerGroup:
         self.nodes[rank] = ray.get(worker.node.remote())
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return ray.get(self.call_all_async(method, *args, **kwargs))
+        return self.answers(list(enumerate(self.call_all_async(method, *args, **kwargs))))
+
+    def answers(self, calls: list[tuple[int, ray.ObjectRef]]) -> list[Any]:
+        """``ray.get`` of (rank, call) pairs, in order; in a watched group a rank that stops
+        answering is killed meanwhile, so that its call raises ``RayActorError`` instead of
+        waiting forever."""
+        refs = [ref for _, ref in calls]
+        if self.watched:
+            rank_of = {ref: rank for rank, ref in calls}
+            while True:
+                _, waiting = ray.wait(refs, num_returns=len(refs), timeout=PING_INTERVAL_S)
+                if not waiting:
+                    break
+                for rank in sorted({rank_of[ref] for ref in waiting}):
+                    if not self.responds(rank):
+                        ray.kill(self.workers[rank])  # its calls now fail as a dead rank's
+        return ray.get(refs)
+
+    def responds(self, rank: int) -> bool:
+        """Whether rank ``rank`` is alive and answers (a watched group's ping, within
+        ``PING_TIMEOUT_S``; else its node info, within the same time)."""
+        worker = self.workers[rank]
+        try:
+            ray.get(worker.alive.remote() if self.watched else worker.node.remote(), timeout=PING_TIMEOUT_S)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
     def call_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
         return [w.call.remote(method, *args, **kwargs) for w in self.workers]
@@ -201,8 +256,8 @@ class WorkerGroup:
         groups = self.world_size // replicas
         padded, pad = batch.pad_to_divisor(groups)
         chunks = padded.chunk(groups)
-        calls = [w.call.remote(method, chunks[rank // replicas], **kwargs) for rank, w in enumerate(self.workers)]
-        return ray.get(calls), pad
+        calls = [(rank, w.call.remote(method, chunks[rank // replicas], **kwargs)) for rank, w in enumerate(self.workers)]
+        return self.answers(calls), pad
 
     def shutdown(self) -> None:
         """Kill this group's ranks; remove the placement group if this group made it (shut down

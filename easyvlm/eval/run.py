@@ -25,6 +25,7 @@ normalised by the checkpoint's running statistics (an exported model has none: r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -62,23 +63,31 @@ def checkpoint_model(model_path: str) -> tuple[Path, int] | None:
     return export, int(checkpoint_info(checkpoint)["step"])
 
 
+def with_model_path(cfg: Any, model_path: str) -> Any:
+    """``cfg`` with ``worker.actor.model.model_path`` replaced (the config's dataclasses are frozen)."""
+    actor = cfg.worker.actor
+    model = dataclasses.replace(actor.model, model_path=model_path)
+    return dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, actor=dataclasses.replace(actor, model=model)))
+
+
 def prepare(argv: Sequence[str]) -> tuple[Any, int, Path, Path | None]:
     """argv -> (run plan, step the seeds use, output directory, the checkpoint evaluated or None);
-    exits 2 on any config problem."""
+    exits 2 on any config problem. The config is parsed and validated once; a checkpoint's export
+    (checked by ``checkpoint_model``) then replaces the checkpoint as the model."""
     from easyvlm.models.paths import ModelNotFoundError
-    from easyvlm.trainer.main import plan_run
+    from easyvlm.plan.launch import check_environment, plan_config
 
-    argv = [*argv, "trainer.val_only=true"]
-    cfg = parse_and_validate(argv)
+    cfg = parse_and_validate([*argv, "trainer.val_only=true"])
     found = checkpoint_model(cfg.worker.actor.model.model_path)
     step, out_dir, checkpoint = 0, None, None
     if found is not None:
         export, step = found
         checkpoint = export.parents[1]  # <checkpoint>/actor/huggingface
-        argv.append(f"worker.actor.model.model_path={export}")
+        cfg = with_model_path(cfg, str(export))
         out_dir = checkpoint / EVAL_DIR
+    check_environment()
     try:
-        plan = plan_run(argv)
+        plan = plan_config(cfg)
     except ModelNotFoundError as err:  # e.g. a hub id that is not in the cache with HF_HUB_OFFLINE=1
         exit_with_problems([Problem("worker.actor.model.model_path", str(err))])
     if out_dir is None:
@@ -128,7 +137,7 @@ def evaluate(plan: Any, step: int, out_dir: Path, checkpoint: Path | None = None
     from easyvlm.pipeline.scoring import LocalRewards, Scorer
     from easyvlm.rewards.manager import RewardManager
     from easyvlm.rollout.factory import build_rollout
-    from easyvlm.trainer.main import rank_resources, start_ray
+    from easyvlm.plan.launch import rank_resources, start_ray
     from easyvlm.viewer.pages import write_page
     from easyvlm.viewer.records import build_samples
 

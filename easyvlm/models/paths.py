@@ -8,7 +8,7 @@ Two questions with two answers:
 - ``local_model_dir`` (workers and engines): the same model on the calling process's machine. It
   never builds anything: a worker or an engine start must not turn into a model build. On another
   node of a cluster the driver has built the scheme's assets into that node's cache before the
-  workers start (easyvlm.trainer.nodes); a hub id comes from the node's own Hugging Face cache.
+  workers start (easyvlm.plan.launch); a hub id comes from the node's own Hugging Face cache.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from easyvlm.distributed.worker_group import Resources, WorkerGroup
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.utils.safe_state import load_state
-from easyvlm.workers.hybrid import RewardModelHost
+from easyvlm.workers.hosts import RewardModelHost
 
 
 def model_inputs(batch: Batch) -> Batch:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from easyvlm.algorithms.rollout_correction_settings import staleness_correction
 from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived
 from easyvlm.config.schema import PPOConfig
@@ -17,6 +18,7 @@ from easyvlm.plan.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpe
 
 def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
     t, a, r = cfg.trainer, cfg.algorithm, cfg.worker.rollout
+    max_staleness = max(r.max_staleness, int(r.one_step_off))  # one_step_off: shorthand for 1
     # seed, per_request_seed and partial_rollout: the rollout's keys
     rounds = settings_of(
         RoundsSpec, r,
@@ -26,7 +28,7 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         separate=r.placement == "separate",
         rollout_devices=r.num_devices,
         baseline=a.adv_estimator == "remax",
-        max_staleness=max(r.max_staleness, int(r.one_step_off)),  # one_step_off: shorthand for 1
+        max_staleness=max_staleness,
     )
     # gamma, lam, kl, rollout_correction, multi_objective_aggregation: the algorithm's; kl_in_reward,
     # kl_in_loss, use_reference: derived; critic_warmup: the trainer's
@@ -35,6 +37,7 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         estimator=a.adv_estimator,
         norm_by_std=a.norm_adv_by_std_in_grpo,
         reward_weights=tuple(float(f.weight) for f in cfg.worker.reward.reward_functions),
+        rollout_correction=staleness_correction(a.rollout_correction, max_staleness, r.correct_staleness),
     )
     # the trainer's keys (project_name, save_limit, ...), the data's lengths, the reward's decoding
     records = settings_of(

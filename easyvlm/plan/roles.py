@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from easyvlm.algorithms.rollout_correction_settings import parse_is_threshold
 from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
@@ -99,6 +100,8 @@ def actor_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle) -> ActorSp
         files=bundle,
         router_aux_loss_coef=router_aux_loss_coef(actor.router_aux_loss_coef, bundle.policy.hf_config),
         distill=distill if distill.distill_coef > 0 and not distill.distill_as_reward else None,
+        # the rollout correction's truncation bound caps the distillation loss's off-policy weight too
+        distill_weight_cap=parse_is_threshold(cfg.algorithm.rollout_correction.rollout_is_threshold)[0],
         policy_gradient=not (distill.distill_only and not distill.distill_as_reward),
     )
 
@@ -154,8 +157,23 @@ def teacher_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RefSpec]:
         if problems:
             raise ConfigError([Problem(p.key, f"{p.message} (the teacher {teacher.model.model_path}, which follows "
                                        "the actor's expert parallelism)") for p in problems])
-    forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens, _vision_language(bundle)), router_replay="disabled")  # its own experts
+    forward = dataclasses.replace(_forward(cfg, cfg.worker.actor, bundle.tokens, _vision_language(bundle)),
+                                  router_replay="disabled",  # its own experts
+                                  blocked_token_ids=teacher_blocked_ids(bundle, model, key))
     return settings_of(RefSpec, teacher, model=model, forward=forward)
+
+
+def teacher_blocked_ids(bundle: ModelBundle, model: ModelSpec, key: str) -> tuple[int, ...]:
+    """The ids the teacher's distribution leaves out: the student's vision placeholders and the
+    rows of its own output layer past the tokenizer (which may be more or fewer than the
+    student's), so that both distributions have all their mass on the ids they share and the full
+    KL over those (``kl.kl_full_shared_rows``) is the KL of the two."""
+    from easyvlm.rollout.tokens import blocked_token_ids
+
+    try:
+        return tuple(blocked_token_ids(bundle.tokenizer, model.hf_config))
+    except ValueError as err:  # far more rows than the student's tokenizer has tokens
+        raise ConfigError([Problem(f"{key}.model_path", f"{model.model_path}: {err}")]) from err
 
 
 # the image processor's settings that decide the pixel values and image tokens the teacher is given
@@ -163,16 +181,34 @@ IMAGE_PROCESSOR_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "imag
                         "do_rescale", "do_normalize")
 
 
+# MoE and dense models of one generation that read the same rows: one processor, the same vision
+# placeholders and one position-id layout (the same get_rope_index in transformers, one entry of
+# models/position_ids.py), so a teacher of one scores the student's rows of the other as they are;
+# their decoders differ only in the MLPs, which the teacher keeps to itself. Their tokenizers,
+# image token ids and image processors are still compared below.
+SAME_INPUT_MODEL_TYPES = (frozenset({"qwen3_vl", "qwen3_vl_moe"}), frozenset({"qwen3_5", "qwen3_5_moe"}))
+
+
+def reads_same_inputs(teacher_type: str, student_type: str) -> bool:
+    """Whether a ``teacher_type`` model reads the position ids of a ``student_type`` student's rows."""
+    return teacher_type == student_type or frozenset({teacher_type, student_type}) in SAME_INPUT_MODEL_TYPES
+
+
 def teacher_problem(bundle: ModelBundle, teacher_dir: str, teacher_config: Any, trust_remote_code: bool) -> Optional[str]:
-    """Why a teacher cannot score the student's rows (None: it can): another family (position ids),
-    another tokenizer or vocabulary size, other image token ids, another image processor."""
+    """Why a teacher cannot score the student's rows (None: it can): another family (position ids;
+    an MoE teacher of a dense student's generation reads them alike, `SAME_INPUT_MODEL_TYPES`),
+    another tokenizer, an output layer with fewer rows than the tokenizer has tokens, other image
+    token ids, another image processor. More output rows than the student's (padding past the
+    tokenizer) are fine: the sampled tokens' log-probs read only real ids, and the full KL compares
+    the two distributions over the rows they share (``kl.kl_full_shared_rows``)."""
     from transformers import AutoProcessor, AutoTokenizer
 
     student_config = bundle.policy.hf_config
     same = "must share the student's"
-    if teacher_config.model_type != student_config.model_type:
+    if not reads_same_inputs(teacher_config.model_type, student_config.model_type):
         return (f"is a {teacher_config.model_type} model and the student a {student_config.model_type} one; the teacher "
-                "reads the student's position ids (mRoPE) as they are, so it must be of the student's family")
+                "reads the student's position ids (mRoPE) as they are, so it must be of the student's family (or its "
+                "MoE / dense sibling of the same generation)")
     try:
         vocab = AutoTokenizer.from_pretrained(teacher_dir, trust_remote_code=trust_remote_code).get_vocab()
     except (OSError, ValueError) as err:
@@ -181,9 +217,11 @@ def teacher_problem(bundle: ModelBundle, teacher_dir: str, teacher_config: Any, 
         return (f"has another tokenizer than the student ({bundle.tokenizer_path}): {len(vocab)} tokens against "
                 f"{len(bundle.tokenizer.get_vocab())}, or the same number with other ids; it scores the student's token "
                 f"ids as they are, so it {same} tokenizer")
-    if teacher_config.get_text_config().vocab_size != student_config.get_text_config().vocab_size:
-        return (f"has {teacher_config.get_text_config().vocab_size} output logits and the student "
-                f"{student_config.get_text_config().vocab_size}; the full KL compares the two distributions id by id")
+    rows, tokens = teacher_config.get_text_config().vocab_size, len(bundle.tokenizer)
+    if rows < tokens:
+        return (f"has {rows} output rows (text_config.vocab_size in its config.json) for the {tokens} tokens of the "
+                "student's tokenizer: the student's ids past its last row have no log-prob; a teacher's output layer "
+                "must cover the tokenizer")
     for name in ("image_token_id", "video_token_id", "vision_start_token_id"):
         if getattr(teacher_config, name, None) != getattr(student_config, name, None):
             return f"has {name}={getattr(teacher_config, name, None)}, the student {getattr(student_config, name, None)}"

@@ -56,7 +56,8 @@ class AdvantageSpec:
     kl_in_loss: bool
     use_reference: bool
     rollout_correction: RolloutCorrectionConfig
-    """``algorithm.rollout_correction`` (checked: it parses)."""
+    """``algorithm.rollout_correction`` (checked: it parses), or with asynchronous rollout and nothing
+    set there the staleness correction (``rollout_correction_settings.staleness_correction``)."""
     critic_warmup: int
     """Steps that train the critic alone."""
     multi_objective_aggregation: str = "sum_then_normalize"

@@ -1,8 +1,10 @@
 """RewardManager: score a batch with one or several user reward functions, and make every failure loud.
 
 User code never runs in the manager's process: it runs in ``num_workers`` worker processes
-(:class:`~easyvlm.rewards.process.ServingProcess`), so a call longer than ``timeout`` is noticed
-and stopped whatever it is doing (its process is killed and replaced).
+(:class:`~easyvlm.rewards.process.ServingProcess`), so a function still running ``timeout`` seconds
+after it was given the batch is stopped whatever it is doing (its process is killed and replaced).
+``timeout`` bounds each function's whole batch, not each sample: a function that hangs on every
+sample would otherwise stop the step for one timeout per sample.
 
 - batch functions get all B input dicts in one call, in one worker;
 - sequential functions get one dict per call, spread over all the workers;
@@ -46,8 +48,9 @@ class RewardSettings:
 
     functions: the reward functions; with several, ``overall`` is their weighted sum. Relative paths
         are resolved against the working directory when the settings are made.
-    timeout: seconds one call may take (a batch call, or one sample of a sequential function);
-        None = no limit.
+    timeout: seconds each function may take to score one batch: a batch function's call (with, when
+        it raises, the calls that locate the failing sample), or all the samples of a sequential
+        function, spread over the workers; None = no limit.
     on_error: "raise" stops with the error; "zero" scores the failing sample 0 and counts it.
     num_workers: worker processes (a batch call uses one; sequential calls are spread over all).
     """
@@ -127,12 +130,16 @@ class RewardManager:
                            error_count, errors[0])
         return _combine(per_function, self.rewards, self.names, len(inputs), errors, error_count)
 
+    def _deadline(self) -> float | None:
+        return None if self.settings.timeout is None else time.monotonic() + self.settings.timeout
+
     def _run_batch(self, reward: LoadedReward, dicts: list[dict], stop_early: bool) -> list[dict | _Failure]:
         n = len(dicts)
         worker = self._start_workers()[0]
+        deadline = self._deadline()
         status, value = worker.call(("batch", reward.spec, dicts), self.settings.timeout)
         if status == "error":
-            return self._isolate(reward, dicts, value, stop_early)
+            return self._isolate(reward, dicts, value, stop_early, deadline)
         if status != "ok":
             return [_Failure(None, self._lost(status, value))] * n
         problem = _check_batch_output(value, n)
@@ -141,13 +148,19 @@ class RewardManager:
         return [_check_scores(v, i) for i, v in enumerate(value)]
 
     def _isolate(
-        self, reward: LoadedReward, dicts: list[dict], batch_error: str, stop_early: bool
+        self, reward: LoadedReward, dicts: list[dict], batch_error: str, stop_early: bool, deadline: float | None
     ) -> list[dict | _Failure]:
-        """After a batch call raised: call the function on each sample alone to find the failing ones."""
+        """After a batch call raised: call the function on each sample alone to find the failing ones,
+        in what is left of the batch's ``timeout``."""
         unlocated = _Failure(None, f"{batch_error} (calling it on one sample at a time did not locate the failing "
                                    "sample)")
-        request = ("isolate", reward.spec, (dicts, stop_early))
-        status, value = self._start_workers()[0].call(request, self.settings.timeout)
+        left = None if deadline is None else deadline - time.monotonic()
+        status, value = "timeout", None
+        if left is None or left > 0:
+            status, value = self._start_workers()[0].call(("isolate", reward.spec, (dicts, stop_early)), left)
+        if status == "timeout":
+            return [_Failure(None, f"{batch_error} (calling it on one sample at a time, to locate the failing sample, "
+                                   f"did not end within worker.reward.timeout={self.settings.timeout} s)")] * len(dicts)
         if status != "ok":
             return [unlocated] * len(dicts)
         outcomes: list[dict | _Failure] = []
@@ -161,14 +174,17 @@ class RewardManager:
     def _run_sequential(
         self, reward: LoadedReward, dicts: list[dict], stop_early: bool
     ) -> list[dict | _Failure | None]:
-        """One sample per call, at most one call per worker process at a time."""
-        timeout = self.settings.timeout
+        """One sample per call, at most one call per worker process at a time, all within ``timeout``."""
         workers = self._start_workers()
+        deadline = self._deadline()
         outcomes: list[dict | _Failure | None] = [None] * len(dicts)
         todo = deque(range(len(dicts)))
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (sample index, start time)
         while todo or busy:
-            self._start_workers()  # again: a timeout may have killed one
+            if deadline is not None and time.monotonic() >= deadline:
+                self._time_out(busy, todo, outcomes)
+                break
+            self._start_workers()  # again: a worker process may have died
             for slot, worker in enumerate(workers):
                 if slot not in busy and todo:
                     i = todo.popleft()
@@ -181,8 +197,7 @@ class RewardManager:
                     busy[slot] = (i, time.monotonic())
             if not busy:
                 continue
-            oldest = min(start for _, start in busy.values())
-            wait = None if timeout is None else max(0.0, oldest + timeout - time.monotonic())
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait([workers[slot].conn for slot in busy], timeout=wait)
             for slot in [slot for slot in busy if workers[slot].conn in ready]:
                 i, _ = busy.pop(slot)
@@ -191,20 +206,34 @@ class RewardManager:
                     outcomes[i] = _check_scores(value, i)
                 else:
                     outcomes[i] = _Failure(i, value if status == "error" else self._lost(status, value))
-            now = time.monotonic()
-            for slot, (i, start) in list(busy.items()):
-                if timeout is not None and now - start >= timeout:
-                    del busy[slot]
-                    workers[slot].kill()
-                    outcomes[i] = _Failure(i, self._lost("timeout", None))
             if stop_early and any(isinstance(o, _Failure) for o in outcomes):
                 for slot in busy:  # their answers would arrive during the next call: discard them
                     workers[slot].kill()
                 break
         return outcomes
 
+    def _time_out(self, busy: dict[int, tuple[int, float]], todo: deque, outcomes: list) -> None:
+        """The batch's ``timeout`` ran out: kill the calls still running, fail the samples not started."""
+        now = time.monotonic()
+        for slot, (i, start) in busy.items():
+            self._workers[slot].kill()
+            outcomes[i] = _Failure(i, self._lost("timeout", now - start))
+        if todo:  # a suffix of the samples: they are handed out in order
+            first, later = todo[0], len(todo) - 1
+            which = f"it and the {later} samples after it were" if later else "it was"
+            problem = (f"{which} not scored: worker.reward.timeout={self.settings.timeout} s, the time a sequential "
+                       "function has for the whole batch, ran out while they waited for a free worker process; "
+                       "raise worker.reward.timeout or worker.reward.num_workers")
+            not_started = _Failure(first, problem)  # one message for all of them, each counted
+            for i in todo:
+                outcomes[i] = not_started
+
     def _lost(self, status: str, detail: Any) -> str:
         """The problem when a call gave no usable answer: "timeout", "died" or "unpicklable"."""
+        if status == "timeout" and detail is not None:  # detail: seconds this sample of a sequential call ran
+            return (f"the call did not return within worker.reward.timeout={self.settings.timeout} s, the time a "
+                    f"sequential function has for the whole batch (this sample ran for {detail:.1f} s of it; its "
+                    "worker process was killed and will be restarted)")
         if status == "timeout":
             return (f"the call did not return within worker.reward.timeout={self.settings.timeout} s "
                     "(its worker process was killed and will be restarted)")
@@ -222,8 +251,10 @@ class RewardManager:
                 ServingProcess(_setup_worker, (specs,), _handle_request, name=f"easyvlm-reward-worker-{i}")
                 for i in range(self.settings.num_workers)
             )
+        for w in self._workers:  # the ones a timeout killed are started again here, side by side
+            w.launch()
         for w in self._workers:
-            w.start()  # the ones a timeout killed are started again here
+            w.start()
         return self._workers
 
     def close(self) -> None:

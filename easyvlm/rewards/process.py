@@ -50,20 +50,29 @@ class ServingProcess:
         self._setup, self._setup_args, self._handle, self._name = setup, setup_args, handle, name
         self._process: multiprocessing.process.BaseProcess | None = None
         self.conn: multiprocessing.connection.Connection | None = None
+        self._ready = False  # the child sent "ready": its setup is done
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Start the child (if not running) and wait until its setup is done; StartError if it fails."""
+    def launch(self) -> None:
+        """Start the child if it is not running, without waiting for its setup: launching several
+        before waiting for any lets their setups (imports, often torch's) run side by side."""
         if self._process is not None:
             return
         ctx = multiprocessing.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(
+        process = ctx.Process(
             target=_serve, args=(child_conn, self._setup, self._setup_args, self._handle), name=self._name
         )
-        self._process.start()
+        process.start()  # kept only once started: stop() and kill() join it
+        self._process, self._ready = process, False
         _running.add(self)
         child_conn.close()
+
+    def start(self) -> None:
+        """Start the child (if not running) and wait until its setup is done; StartError if it fails."""
+        self.launch()
+        if self._ready:
+            return
         if not self.conn.poll(START_TIMEOUT):
             self.kill()
             raise StartError(f"{self._name}: the process did not start within {START_TIMEOUT} s")
@@ -74,6 +83,7 @@ class ServingProcess:
         if status != "ready":
             self.kill()
             raise StartError(f"{self._name}: setup failed in the child process: {message}")
+        self._ready = True
 
     def kill(self) -> None:
         """Stop the child now, whatever it is doing."""

@@ -13,7 +13,7 @@ from typing import Any
 # never over one of these (they are always under "extra" as well).
 STANDARD_KEYS = ("response", "response_length", "ground_truth", "prompt", "images", "original_image_sizes", "extra")
 # The keys a multi-turn run (worker.rollout.tools / environment) adds; single-turn inputs do not have them.
-MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward")
+MULTI_TURN_KEYS = ("messages", "tool_calls", "num_turns", "finish", "environment_reward", "environment_info")
 # The keys a run with worker.reward_model or worker.judge adds.
 MODEL_SCORE_KEYS = ("reward_model_score", "reward_model_raw_score", "judge_score")
 
@@ -32,8 +32,8 @@ class RewardInput:
     extra: the row's other columns, by name.
     trajectory: multi-turn runs only (None otherwise): the sample's ``messages`` after the prompt
         (the model's turns and the tool results or observations), ``tool_calls``, ``num_turns``,
-        ``finish`` and ``environment_reward``; ``response`` is then the model's last turn and
-        ``response_length`` counts the tokens of all its turns.
+        ``finish``, ``environment_reward`` and ``environment_info`` (the last step's info); ``response``
+        is then the model's last turn and ``response_length`` counts the tokens of all its turns.
     """
 
     response: str

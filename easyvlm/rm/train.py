@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from easyvlm.algorithms.preference import bradley_terry_loss
-from easyvlm.config.cli import take_print_flag, exit_with_problems
+from easyvlm.config.cli import exit_with_problems, parse_and_validate
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.loader import load_config_collecting, to_yaml
+from easyvlm.plan.launch import check_environment
 from easyvlm.data.batch import Batch
 from easyvlm.rm.config import RMConfig, find_problems
 from easyvlm.rm.data import PreferenceDataset, collate_pairs
@@ -53,18 +53,10 @@ EXIT_ERROR = 2
 
 # ------------------------------------------------------------------------------------------- config
 def parse_config(argv: Sequence[str]) -> RMConfig:
-    """argv -> a checked RMConfig, or exit 2 listing every problem (no traceback)."""
-    args, print_config, problems = take_print_flag(argv)
-    cfg, load_problems = load_config_collecting(args, schema=RMConfig)
-    problems += load_problems
-    if not problems:
-        problems += find_problems(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    if problems:
-        exit_with_problems(problems)
-    if print_config:
-        sys.stdout.write(to_yaml(cfg))
-        sys.exit(0)
-    return cfg
+    """argv -> a checked RMConfig, or exit 2 listing every problem (environment and config; no traceback)."""
+    check_environment()  # a bad EASYVLM_CPU_LINEAR, before the model loads
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return parse_and_validate(argv, schema=RMConfig, checks=lambda cfg: find_problems(cfg, world_size=world_size))
 
 
 def resolve(cfg: RMConfig) -> RMConfig:

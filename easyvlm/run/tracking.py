@@ -324,7 +324,9 @@ class MlflowBackend(Backend):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             uri = (info.save_dir / "mlruns").resolve().as_uri()
-            _say(f"mlflow: no MLFLOW_TRACKING_URI: logging to the file store {uri} (view: `mlflow ui --backend-store-uri {uri}`)")
+            # `mlflow ui` (mlflow 3) refuses a file store without the variable, as the writer below would
+            _say(f"mlflow: no MLFLOW_TRACKING_URI: logging to the file store {uri} (view it with the full mlflow "
+                 f"package, mlflow-skinny has no UI: `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri}`)")
         if urlsplit(uri).scheme in ("", "file"):
             # mlflow 3 refuses its file store unless asked: it is what needs no server and no database
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")

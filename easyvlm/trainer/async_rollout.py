@@ -258,7 +258,8 @@ class GroupStream(Producer):
 
     def _on_each(self, hosts: Any, call: Callable[[int], Any]) -> list[tuple[int, Any]]:
         """``call(host)`` (a Ray call) on each engine, their answers; an engine whose process died
-        is restarted and given its unfinished groups again (`_recover`), and answers nothing."""
+        or stopped answering is restarted and given its unfinished groups again (`_recover`), and
+        answers nothing."""
         refs = []
         for host in hosts:
             try:
@@ -268,7 +269,7 @@ class GroupStream(Producer):
         answers = []
         for host, ref in refs:
             try:
-                answers.append((host, ray.get(ref)))
+                answers.append((host, self.service.engines.answers([(host, ref)])[0]))  # a hung engine is killed
             except RayActorError:
                 self._recover(host)
         return answers

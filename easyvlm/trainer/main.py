@@ -10,6 +10,8 @@ Everything that can be wrong with a run is found before Ray starts, and reported
    find the checkpoint to resume from and check it;
 4. start Ray locally, or join a cluster (``trainer.ray_address`` or ``RAY_ADDRESS``), build the
    workers from the plan and run the loop.
+
+Steps 1, 2 and Ray's start are the launch module's (``easyvlm.plan.launch``), shared with evaluation.
 """
 
 from __future__ import annotations
@@ -20,84 +22,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from easyvlm.config.cli import exit_with_problems, parse_and_validate
+from easyvlm.config.cli import exit_with_problems
 from easyvlm.config.errors import ConfigError
-from easyvlm.models.cpu_linear import onednn_linear_available
-from easyvlm.models.kernel_choice import ISA_VARIABLES
-from easyvlm.plan.build import RunPlan, build_plan, pick_device
-from easyvlm.trainer.nodes import prepare_nodes
+from easyvlm.plan.build import RunPlan, build_plan
+from easyvlm.plan.launch import plan_run, rank_resources, start_ray
 
-# what Ray workers need to see from the driver's environment (on a cluster joined through an
-# address, without _NODE_PATHS: paths of the driver's machine; each node has its own)
-_FORWARDED_ENV = (
-    "HF_HUB_OFFLINE",
-    "HF_HOME",
-    "EASYVLM_CACHE",
-    "TOKENIZERS_PARALLELISM",
-    "VLLM_ENABLE_V1_MULTIPROCESSING",
-    "VLLM_LOGGING_LEVEL",
-    "PYTHONPATH",
-    "OMP_NUM_THREADS",  # torch threads per CPU rank (easyvlm.distributed.worker_group.cpu_threads)
-    "EASYVLM_CPU_LINEAR",  # auto / onednn / aten: the CPU linears' kernel (easyvlm.models.cpu_linear)
-    *ISA_VARIABLES,  # oneDNN's and MKL's vector-ISA caps (e.g. AVX2 on an AVX-512 CPU), read at their start
-)
-_NODE_PATHS = ("HF_HOME", "EASYVLM_CACHE", "PYTHONPATH")
 EXIT_DATA_ERROR = 2
-
-
-def start_ray(plan: RunPlan) -> Any:
-    """Join ``trainer.ray_address`` / ``RAY_ADDRESS`` if given, else start a local cluster."""
-    import ray
-
-    cfg = plan.config
-    env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-call INFO/WARNING lines drown the progress bar
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        return ray
-    if address:
-        # the nodes' caches and import paths are their own (set by each node's `ray start`): builtin
-        # models are built on each node, hub models come from each node's cache, reward and loss files
-        # travel in the run plan
-        env = {k: v for k, v in env.items() if k not in _NODE_PATHS}
-        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True)
-        prepare_nodes(plan, ray)  # each node's cache gets the builtin models before any worker starts
-    else:
-        # logical CPUs: one per training process plus the reward actor's; the OS shares the cores
-        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + cfg.worker.reward.num_cpus
-        cpus += cfg.worker.judge.num_workers if cfg.worker.judge.enable else 0  # one per judge engine
-        if cfg.worker.rollout.placement == "separate":  # the rollout group's devices, as many CPUs as a rank's
-            cpus += cfg.worker.rollout.num_devices * max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node)
-        # every easyvlm process is an actor started on demand: no idle workers started ahead (~80 MiB each)
-        ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env},
-                 _system_config={"prestart_worker_first_driver": False})
-    return ray
-
-
-def rank_resources(plan: RunPlan) -> Any:
-    """What each rank of a worker group gets: a GPU, or on the CPU an equal share of the cores."""
-    from easyvlm.distributed.worker_group import Resources
-
-    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
-    return Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
-
-
-def plan_run(argv: Sequence[str]) -> RunPlan:
-    """argv -> the run plan, or exit 2 with every problem found (config, model files, device)."""
-    try:
-        onednn_linear_available()  # a bad EASYVLM_CPU_LINEAR stops here, not in the workers
-    except ValueError as err:
-        sys.stderr.write(f"easyvlm: environment error: {err}\n")
-        sys.exit(EXIT_DATA_ERROR)
-    cfg = parse_and_validate(argv)
-    try:
-        plan = build_plan(cfg, pick_device(cfg))
-    except ConfigError as err:
-        exit_with_problems(err.problems)
-    for line in plan.notices:
-        sys.stderr.write(f"easyvlm: note: {line}\n")
-    return plan
 
 
 def open_tracker_or_exit(plan: RunPlan, num_train_prompts: int, resume_from: Path | None) -> Any:

@@ -190,15 +190,10 @@ class RolloutService:
         raise AssertionError("unreachable")
 
     def restart_dead_engines(self) -> list[int]:
-        """Restart the rollout group's ranks whose process died; returns their ranks. Their
-        weights are the model files' until the next sync."""
+        """Restart the rollout group's ranks whose process died or stopped answering (killed by
+        the group's watch); returns their ranks. Their weights are the model files' until the next sync."""
         group = self.engines
-        dead = []
-        for rank, worker in enumerate(group.workers):
-            try:
-                ray.get(worker.node.remote(), timeout=60)
-            except RayActorError:
-                dead.append(rank)
+        dead = [rank for rank in range(len(group.workers)) if not group.responds(rank)]
         for rank in dead:
             self.note_restart(rank)
             group.restart(rank)

@@ -18,7 +18,8 @@ from easyvlm.rewards.actor import create_reward_actor
 from easyvlm.rewards.judge import Judge
 from easyvlm.rewards.model_scores import RewardModelScores
 from easyvlm.utils.memory import cuda_peak_metrics, peak_rss_bytes, peak_rss_metrics
-from easyvlm.workers.hybrid import CriticHost, HybridWorker, RolloutHost
+from easyvlm.workers.hosts import CriticHost, RolloutHost
+from easyvlm.workers.hybrid import HybridWorker
 
 
 class Workers:
@@ -57,7 +58,8 @@ class Workers:
         if rounds.separate:  # the engines on their own devices: as many ranks as worker.rollout.num_devices
             rollout_resources = dataclasses.replace(resources, world_size=rounds.rollout_devices) \
                 if resources is not None else None
-            self.rollout_group = WorkerGroup("rollout", rollout_resources, partial(RolloutHost, plan.rollout))
+            self.rollout_group = WorkerGroup("rollout", rollout_resources, partial(RolloutHost, plan.rollout),
+                                             watched=True)  # a hung engine is restarted
         if plan.critic is not None:
             critic = partial(CriticHost, with_total_steps(plan.critic, total_steps))
             self.critic = WorkerGroup("critic", resources, critic, pg=self.hybrid.pg, share=share)

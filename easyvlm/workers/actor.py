@@ -5,10 +5,13 @@ hyperparameters, the KL loss, the entropy bonus). The update is the shared loop 
 ``easyvlm.workers.update`` with the actor's micro-batch loss: policy loss [+ kl_coef * KL loss]
 [- entropy_coeff * entropy], each aggregated with the mini-batch normaliser.
 
-On-policy updates (``update_is_on_policy``: one PPO epoch, one mini-batch per step) may leave
-``old_logprobs`` out of the batch: the policy that samples is then the policy of the update's only
-forward pass, so the actor takes that pass's log-probs, detached, as the old ones (every ratio is 1
-at the start, as in TRL's GRPOTrainer) and the trainer saves a forward pass over the whole batch.
+Updates of one optimizer step per trainer step (``update_is_on_policy``: one PPO epoch, one
+mini-batch) may leave ``old_logprobs`` out of the batch: the weights the update starts from are
+then those of its only forward pass, so the actor takes that pass's log-probs, detached, as the old
+ones (every ratio is 1 at the start, as in TRL's GRPOTrainer) and the trainer saves a forward pass
+over the whole batch. Those are the sampler's weights only with synchronous rollout: asynchronous
+samples are older, and the staleness correction (``rollout_correction_settings.staleness_correction``)
+then asks for the pass and weights each token by pi_old / pi_rollout.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from easyvlm.algorithms.aggregation import aggregate_loss, loss_normalizer
-from easyvlm.algorithms.distill import distill_loss, distill_metrics
+from easyvlm.algorithms.distill import distill_loss, distill_metrics, off_policy_weights
 from easyvlm.algorithms.kl import kl_loss
 from easyvlm.algorithms.masked import masked_mean
 from easyvlm.algorithms.policy_losses import PolicyLossInputs, get_policy_loss
@@ -53,8 +56,9 @@ def update_is_on_policy(optimizer_steps_per_step: int, kl_in_reward: bool) -> bo
 
     True when the actor takes one optimizer step per trainer step (``ppo_epochs == 1`` and one
     mini-batch: ``UpdateSpec.optimizer_steps_per_step == 1``), so its only forward pass runs with
-    the weights that sampled the batch, and nothing reads ``old_logprobs`` before the update (the KL
-    penalty in the reward does: ``Derived.kl_in_reward``).
+    the weights the update starts from (the sampler's, unless rollout is asynchronous: the rollout
+    correction then computes the pass anyway), and nothing reads ``old_logprobs`` before the update
+    (the KL penalty in the reward does: ``Derived.kl_in_reward``).
     """
     return optimizer_steps_per_step == 1 and not kl_in_reward
 
@@ -227,7 +231,7 @@ class ActorWorker:
         sums["entropy_loss"] = entropy_loss.item()
         distill_means = {}
         if spec.distill is not None:
-            distill, distill_means = self._distill_loss(micro, outputs, mask, normalizer)
+            distill, distill_means = self._distill_loss(micro, outputs, mask, normalizer, old_logprobs, weights)
             loss = loss + spec.distill.distill_coef * distill
             sums["distill_loss"] = distill.item()
         if spec.kl_loss is not None:
@@ -258,11 +262,12 @@ class ActorWorker:
                 means["moe/aux_loss"] = float(aux.detach())
         return MicroLoss(loss=loss, tokens=float(mask.sum()), sums=sums, token_means=means)
 
-    def _distill_loss(self, micro: Batch, outputs: dict[str, Tensor], mask: Tensor,
-                      normalizer: float) -> tuple[Tensor, dict[str, float]]:
+    def _distill_loss(self, micro: Batch, outputs: dict[str, Tensor], mask: Tensor, normalizer: float,
+                      old_logprobs: Tensor, rollout_is_weights: Tensor | None) -> tuple[Tensor, dict[str, float]]:
         """On-policy distillation's loss term on a micro-batch (``easyvlm.algorithms.distill``), unscaled:
-        the exact reverse KL to the teacher with ``distill_full_kl``, else the one-sample surrogate;
-        and its token means ``distill/reverse_kl`` and ``distill/teacher_logprob``."""
+        the exact reverse KL to the teacher with ``distill_full_kl``, else the one-sample surrogate,
+        importance-weighted like the policy loss's ratio; and its token means ``distill/reverse_kl``
+        and ``distill/teacher_logprob``."""
         mode = self.spec.update.loss_avg_mode
         teacher = micro["teacher_logprobs"].to(self.device)
         if self.spec.distill.distill_full_kl:
@@ -270,7 +275,13 @@ class ActorWorker:
             loss = aggregate_loss(per_token, mask, mode, normalizer)
         else:
             per_token = outputs["logprobs"] - teacher  # the one-sample estimate, for the metric
-            loss = distill_loss(outputs["logprobs"], teacher, mask, mode, normalizer)
+            # the tokens came from pi_old (exactly 1 on-policy, where old_logprobs is this pass's own);
+            # the rollout correction's weights, where made, carry pi_old on to the sampler, as for the
+            # policy loss
+            weights = off_policy_weights(outputs["logprobs"], old_logprobs, self.spec.distill_weight_cap)
+            if rollout_is_weights is not None:
+                weights = weights * rollout_is_weights
+            loss = distill_loss(outputs["logprobs"], teacher, mask, mode, normalizer, weights=weights)
         return loss, {f"distill/{k}": v for k, v in distill_metrics(per_token, teacher, mask).items()}
 
     # ------------------------------------------------------------------ weights

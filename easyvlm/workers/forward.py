@@ -374,10 +374,11 @@ def policy_token_outputs(
     - for each ``name: log_distribution`` of ``full_kl_to`` (another model's (K, V) log-distribution
       at the same K valid positions, :func:`policy_log_distribution`): ``name``, KL(pi || that model)
       summed over the vocabulary (``kl_full``: the reference's, ``algorithm.kl_penalty=full``;
-      ``distill_kl_full``: the teacher's, ``algorithm.distill_full_kl``).
+      ``distill_kl_full``: the teacher's, ``algorithm.distill_full_kl``; over the two models' shared
+      rows where the teacher's output layer is padded to another size, ``kl.kl_full_shared_rows``).
 
     Under Ulysses these per-token values, not the logits, cross ranks (:func:`response_outputs`)."""
-    from easyvlm.algorithms.kl import kl_full
+    from easyvlm.algorithms.kl import kl_full_shared_rows
 
     device, temperature = setup.device, setup.temperature
     responses = batch["responses"].to(device)
@@ -392,7 +393,8 @@ def policy_token_outputs(
         if not targets:
             return out
         log_dist = torch.log_softmax(sampling_logits(logits, temperature, setup.blocked_token_ids), dim=-1)
-        kls = [kl_full(log_dist[None], target[rows].to(log_dist.device)[None])[0] for target in targets.values()]
+        # over the rows both have: a teacher's output layer may be padded past the tokenizer otherwise
+        kls = [kl_full_shared_rows(log_dist[None], target[rows].to(log_dist.device)[None])[0] for target in targets.values()]
         return torch.cat([out, torch.stack(kls, dim=-1)], dim=-1)
 
     out, valid = outputs_with_vision(model, batch, setup, per_token=per_token)  # (K, columns)

@@ -111,6 +111,9 @@ class ActorSpec:
     """On-policy distillation as a term of the loss (``algorithm.distill_coef`` > 0, not
     ``distill_as_reward``): reads ``teacher_logprobs``, or with ``distill_full_kl`` the teacher's
     whole distribution, which the hybrid worker computes beside the actor. None = not in the loss."""
+    distill_weight_cap: float = 2.0
+    """The one-sample distillation loss's off-policy weight pi_theta / pi_old is truncated at this
+    (``distill.off_policy_weights``): the upper bound of ``algorithm.rollout_correction.rollout_is_threshold``."""
     policy_gradient: bool = True
     """False for pure distillation as a loss (``algorithm.distill_only``): the loss has no policy term."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from agent_helpers import encoder_of, prompt_batch, run_scripted, tool_plan
 
-from easyvlm.agents.environment import environment_step, load_environment
+from easyvlm.agents.environment import environment_step, load_environment, state_anchor
 from easyvlm.agents.gui import (
     BACKGROUND, COLOURS, FONT, INK, PAPER, ActionError, Click, GuiEnvironment, clicked_widget, hit_test, label_origin,
     layout_task, make_task, parse_action, render_screen, solution,
@@ -37,7 +37,7 @@ def play(task, actions):
     env.start(task)
     out = []
     for action in actions:
-        observation, done, reward = env.step(action)
+        observation, done, reward, _ = env.step(action)
         screenshot, message = observation
         assert png(screenshot) == png(render_screen(task, env.state.ticked))
         out.append((message, done, reward))
@@ -68,7 +68,7 @@ def test_a_successful_episode():
     assert steps == [("Box 1 is now ticked.", False, 1 / 3), ("Box 3 is now ticked.", False, 1 / 3),
                      ("Task complete.", True, 1 / 3 + 1.0)]
     assert (env.state.ticked, env.state.steps, env.state.outcome) == ({1, 3}, 3, "success")
-    assert env.step("click(4)") == (None, True, 0.0)  # after the end: nothing happens
+    assert env.step("click(4)")[:3] == (None, True, 0.0)  # after the end: nothing happens
 
 
 def test_a_detour_earns_nothing_and_a_success_still_returns_two():
@@ -79,6 +79,20 @@ def test_a_detour_earns_nothing_and_a_success_still_returns_two():
     # the fifth step is the limit, but OK succeeded on it: a success, not a step limit
     assert env.state.outcome == "success" and steps[-1][:2] == ("Task complete.", True)
     assert sum(r for _, _, r in steps) == pytest.approx(2.0, abs=1e-12)  # thirds are not exact in binary
+
+
+def test_the_info_names_the_screen_and_the_outcome():
+    # the screen is the set of ticked boxes: toggling box 3 twice comes back to the start's screen
+    env = GuiEnvironment()
+    seed = next(s for s in range(100) if make_task(s, "tick").goal == {1, 3} and len(make_task(s, "tick").widgets) == 5)
+    assert env.reset({"seed": seed, "task": "tick"}) == {"state_key": "ticked "}
+    infos = [env.step(action)[3] for action in ["click(3)", "click(3)", "click(3)", "click(1)"]]
+    assert [i["state_key"] for i in infos] == ["ticked 3", "ticked ", "ticked 3", "ticked 1,3"]
+    assert all(i["outcome"] is None and i["success"] is False for i in infos)
+    ok = env.task.button("OK").label
+    assert env.step(f"click({ok})")[3] == {"state_key": "ticked 1,3", "outcome": "success", "success": True}
+    env.reset({"seed": seed, "task": "tick"})
+    assert env.step(f"click({ok})")[3] == {"state_key": "ticked ", "outcome": "failed", "success": False}
 
 
 def test_invalid_actions_are_answered_with_the_unchanged_screen_until_the_step_limit():
@@ -104,7 +118,7 @@ def test_pressing_ok_too_early_fails_the_episode():
     assert steps == [("Box 1 is now ticked.", False, 1 / 3),
                      ("OK was pressed before the task was complete: the episode ends.", True, 0.0)]
     assert env.state.outcome == "failed"
-    assert env.step("click(3)") == (None, True, 0.0)
+    assert env.step("click(3)")[:3] == (None, True, 0.0)
 
 
 def test_the_step_limit_ends_an_untick_episode_and_clear_counts_as_progress():
@@ -205,7 +219,7 @@ def test_reset_reads_the_row_and_says_what_is_missing():
     env.reset({"seed": 77, "task": "untick", "ground_truth": "ignored"})
     assert env.task == make_task(77, "untick") and env.state.ticked == env.task.initial
     env.reset({"seed": 77, "task": "untick", "max_steps": 1})
-    assert env.step("click(60, 200)")[1:] == (True, 0.0)  # one step allowed
+    assert env.step("click(60, 200)")[1:3] == (True, 0.0)  # one step allowed
     with pytest.raises(ValueError, match="no seed column"):
         env.reset({"task": "tick"})
     with pytest.raises(ValueError, match=r"unknown GUI task 'drag'; known: \['tick', 'untick'\]"):
@@ -218,11 +232,12 @@ def test_the_environment_plugs_into_the_contract():
     env.reset({"seed": 5, "task": "tick"})
     task = env.task
     first = solution(task).split()[0]
-    observation, done, reward = environment_step(env, first, timeout=5.0)
+    observation, done, reward, info = environment_step(env, first, timeout=5.0)
     assert observation.ok and not done and reward == 1 / task.min_actions
     assert len(observation.images) == 1 and observation.images[0].size == (112, 112)
     assert observation.text == f"Box {first[6:-1]} is now ticked."
-    observation, done, reward = environment_step(env, "nonsense", timeout=5.0)
+    assert info == {"state_key": f"ticked {first[6:-1]}", "outcome": None, "success": False}
+    observation, done, reward, info = environment_step(env, "nonsense", timeout=5.0)
     assert observation.ok and not done and reward == 0.0 and observation.text.startswith("Error: no action found")
 
 
@@ -259,3 +274,13 @@ def test_episodes_through_the_multi_turn_rollout(tiny_model_path, tmp_path):
     pad = encoder.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     responses, mask = out["responses"][0], out["response_mask"][0]
     assert int((responses == pad).sum()) == 2 * 16 and not bool(mask[responses == pad].any())
+    # per step (max_turns = 7 columns): the rewards above; the screens the turns acted from, named by the env
+    assert out["step_rewards"][0].tolist() == pytest.approx([1 / 3, 1 / 3, 1 / 3 + 1, 0, 0, 0, 0], abs=1e-7)
+    assert out["step_rewards"][1].tolist() == [0.0] * 7
+    screens = [task.initial, task.initial ^ {first}, task.initial ^ {first, second}]
+    keys = ["ticked " + ",".join(str(label) for label in sorted(screen)) for screen in screens]
+    assert out["step_anchors"][0].tolist() == [state_anchor({"state_key": key}) for key in keys] + [0] * 4
+    assert solved["environment_info"] == {"state_key": keys[-1], "outcome": "success", "success": True}
+    assert failed["environment_info"]["outcome"] == "failed" and failed["environment_info"]["success"] is False
+    assert out["turn_index"][0][mask].unique_consecutive().tolist() == [0, 1, 2]
+    assert (out["turn_index"][0][~mask] == -1).all()

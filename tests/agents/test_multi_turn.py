@@ -10,9 +10,12 @@ import json
 import pytest
 import torch
 from agent_helpers import LOGPROB, encoder_of, end_of_turn, prompt_batch, run_scripted, tool_plan, two_colour_image
+from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from easyvlm.agents.environment import state_anchor
 from easyvlm.agents.loop import trajectory_metrics
+from easyvlm.agents.tools import ToolResult
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.rewards.actor import build_reward_inputs
 from easyvlm.rollout.hf import mm_token_type_ids
@@ -238,6 +241,19 @@ def test_environment_observations_and_rewards(tiny_model_path, image_dir, tmp_pa
     assert text.startswith("\n<|im_start|>user\n<|vision_start|><|image_pad|>") and text.endswith(
         "<|vision_end|>turn 1 seen<|im_end|>\n<|im_start|>assistant\n")
     assert build_reward_inputs(out, enc.tokenizer)[0].to_dict()["environment_reward"] == 1.5
+    # per step (max_turns = 4 columns): turn 1 earns 0.5; turn 2 1.0 for the target ("red") and 0 for "43"
+    assert out["step_rewards"].tolist() == [[0.5, 1.0, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]]
+    # Counter gives no state_key: turn 1 acts from the prompt, turn 2 from the observation's text and image
+    seen = ToolResult("turn 1 seen", [Image.new("RGB", (56, 56), (255, 0, 0))])
+    assert out["step_anchors"].tolist() == [[state_anchor({}), state_anchor({}, seen), 0, 0]] * 2
+    assert state_anchor({}, seen) != state_anchor({}, ToolResult("turn 1 seen", [Image.new("RGB", (56, 56), (0, 0, 255))]))
+    # each model token carries its turn; the observation's tokens and the padding -1
+    for k, turns in enumerate([["left", "red"], ["41", "43"]]):
+        lengths = [len(enc.tokenizer(t, add_special_tokens=False)["input_ids"]) + 1 for t in turns]  # + EOS
+        index = out["turn_index"][k]
+        assert index[index >= 0].tolist() == [0] * lengths[0] + [1] * lengths[1]
+        assert torch.equal(index >= 0, out["response_mask"][k].bool())
+    assert [t["environment_info"] for t in trajectories] == [{}, {}]
 
 
 HANGING_TOOL = '''

@@ -199,10 +199,14 @@ def test_remax_without_baseline_says_what_is_missing():
 
 
 def random_inputs(seed: int = 0, **overrides) -> AdvantageInputs:
-    """B = 6, T = 4, three groups of two, varied lengths; values and baselines for gae / remax."""
+    """B = 6, T = 4, three groups of two, varied lengths; values and baselines for gae / remax, two
+    steps of two tokens with random rewards and anchors for gigpo."""
     gen = torch.Generator().manual_seed(seed)
     mask = lengths_to_mask([4, 1, 3, 2, 4, 3], 4)
     kwargs = dict(
+        turn_index=torch.where(mask, torch.arange(4) // 2, -1),
+        step_rewards=torch.randn(6, 2, generator=gen),
+        step_anchors=torch.randint(0, 2, (6, 2), generator=gen),
         token_rewards=torch.randn(6, 4, generator=gen),
         response_mask=mask,
         group_ids=torch.tensor([3, 3, 1, 1, 8, 8]),
@@ -249,6 +253,9 @@ def test_permuting_the_batch_permutes_the_output(name):
         group_ids=inputs.group_ids[perm],
         values=inputs.values[perm],
         baseline_rewards=inputs.baseline_rewards[perm],
+        turn_index=inputs.turn_index[perm],
+        step_rewards=inputs.step_rewards[perm],
+        step_anchors=inputs.step_anchors[perm],
         gamma=inputs.gamma,
         lam=inputs.lam,
     )
@@ -334,6 +341,7 @@ def test_bad_specs_give_clear_errors(tmp_path):
 
 def test_registered_names_match_the_documented_list():
     assert set(advantage_names()) == {
-        "gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg"
+        "gae", "grpo", "grpo_passk", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "gpg",
+        "gigpo",
     }
     assert isinstance(get_advantage("grpo")(group_inputs()), AdvantageOutputs)

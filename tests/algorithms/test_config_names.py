@@ -33,6 +33,9 @@ def test_group_estimators_are_the_ones_that_need_a_group():
         group_ids=torch.tensor([7, 1, 1]),
         values=torch.zeros(3, 1),
         baseline_rewards=torch.zeros(3),
+        turn_index=torch.zeros(3, 1, dtype=torch.long),  # gigpo: one step each, from the same state
+        step_rewards=torch.tensor([[3.0], [0.0], [1.0]]),
+        step_anchors=torch.zeros(3, 1, dtype=torch.long),
     )
     lone_is_zero = {name for name in advantage_names() if get_advantage(name)(inputs).advantages[0, 0] == 0}
     assert lone_is_zero == set(names.GROUP_ADV_ESTIMATORS)

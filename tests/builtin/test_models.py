@@ -237,7 +237,7 @@ def test_a_node_without_the_drivers_directory_finds_the_model_but_never_builds(t
     """``local_model_dir``: what a worker on another node of a cluster loads (the driver's cache and
     local paths do not exist there). It finds this node's build; it never builds one itself (no
     worker or engine start may turn into a model build): the driver's node preparation builds it."""
-    from easyvlm.trainer.nodes import build_in_subprocess
+    from easyvlm.plan.launch import build_in_subprocess
     from easyvlm.models.paths import local_model_dir
 
     gone = str(tmp_path / "driver-cache" / "models" / Path(tiny_model_path).name)  # the driver's directory, not here
@@ -248,7 +248,7 @@ def test_a_node_without_the_drivers_directory_finds_the_model_but_never_builds(t
                        r"python -m easyvlm.builtin.models tiny-qwen2.5-vl"):
         local_model_dir(gone, "builtin:tiny-qwen2.5-vl")
     assert not (tmp_path / "node-cache").exists()  # the lookup built nothing
-    built = build_in_subprocess("tiny-qwen2.5-vl")  # what easyvlm.trainer.nodes runs on each node
+    built = build_in_subprocess("tiny-qwen2.5-vl")  # what easyvlm.plan.launch runs on each node
     assert built.parent == tmp_path / "node-cache" / "models"
     assert local_model_dir(gone, "builtin:tiny-qwen2.5-vl") == str(built)
     # built in another process, and the same bytes as the driver's
@@ -260,11 +260,11 @@ def test_a_node_without_the_drivers_directory_finds_the_model_but_never_builds(t
 
 
 def test_the_run_names_its_builtin_models_for_the_nodes(tiny_model_path):
-    """easyvlm.trainer.nodes builds on every node what some worker of the run loads: the policy (and
+    """easyvlm.plan.launch builds on every node what some worker of the run loads: the policy (and
     its tokenizer), and nothing for a model given as a directory."""
     from plan_testing import plan_for
 
-    from easyvlm.trainer.nodes import builtin_models
+    from easyvlm.plan.launch import builtin_models
 
     assert builtin_models(plan_for("builtin:tiny-qwen2.5-vl")) == ["tiny-qwen2.5-vl"]
     assert builtin_models(plan_for(tiny_model_path)) == []

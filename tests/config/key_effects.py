@@ -323,7 +323,8 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("algorithm.rollout_correction.rollout_is", CORRECTION_LOOP, f"{CORRECTION}::test_token_tis_truncates_at_the_threshold",
             f"{CORRECTION}::test_sequence_is_is_the_product_over_the_sequence_and_batch_normalizes_over_sequences"),
     effects("algorithm.rollout_correction.rollout_is_threshold", CORRECTION_LOOP,
-            f"{CORRECTION}::test_icepop_zeroes_weights_outside_the_band", via=("parse_is_threshold",)),
+            f"{CORRECTION}::test_icepop_zeroes_weights_outside_the_band",
+            f"{DISTILL}::test_off_policy_tokens_weight_the_one_sample_loss", via=("parse_is_threshold",)),
     effects("algorithm.rollout_correction.rollout_is_batch_normalize", CORRECTION_LOOP,
             f"{CORRECTION}::test_token_batch_normalize_divides_by_the_token_mean", via=("batch_normalize",)),
     effects("algorithm.rollout_correction.rollout_rs", CORRECTION_LOOP, f"{CORRECTION}::test_sequence_rejection_criteria",
@@ -399,7 +400,7 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.reward.skip_special_tokens", f"{LOOP}::test_reward_settings_the_loop_reads",
             "tests/rewards/test_reward_actor.py::test_build_reward_inputs"),
     effects("worker.reward.num_cpus", f"{LOOP}::test_reward_settings_the_loop_reads",
-            "tests/trainer/test_main.py::test_without_ray_address_a_local_cluster_with_the_reward_cpus"),
+            "tests/plan/test_launch.py::test_without_ray_address_a_local_cluster_with_the_reward_cpus"),
     effects("worker.reward.timeout", PLAN, f"{REWARDS}::test_timeout_kills_the_call_and_the_manager_recovers"),
     effects("worker.reward.on_error", PLAN, f"{REWARDS}::test_on_error_zero_sequential_counts_failures"),
     effects("worker.reward.num_workers", PLAN, f"{REWARDS}::test_sequential_keeps_sample_order_over_two_workers"),
@@ -472,6 +473,9 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("worker.rollout.max_staleness", f"{SERVICE}::test_whole_batches_use_the_weights_of_exactly_k_steps_before",
             f"{SERVICE}::test_streamed_samples_never_exceed_the_staleness_bound",
             f"{SEPARATE}::test_partial_rollouts_train_within_the_staleness_bound"),
+    effects("worker.rollout.correct_staleness",
+            "tests/plan/test_plan_stages.py::test_asynchronous_rollout_trains_with_the_staleness_correction_unless_told_otherwise",
+            STAGES_LISTED),
     effects("worker.rollout.partial_rollout", f"{SERVICE}::test_streamed_tokens_keep_the_version_and_log_prob_that_sampled_them",
             f"{SEPARATE}::test_partial_rollouts_train_within_the_staleness_bound"),
     effects("worker.rollout.max_turns", f"{AGENTS}::test_limits_end_samples"),
@@ -509,7 +513,7 @@ ENTRIES: list[tuple[str, Entry]] = [
     effects("trainer.seed", PLAN, f"{ACTOR}::test_trainer_seed_sets_the_new_lora_weights"),
     effects("trainer.device", f"{BUILD}::test_trainer_device_picks_the_device"),
     effects("trainer.ray_timeline", FLOW),
-    effects("trainer.ray_address", "tests/trainer/test_main.py::test_ray_address_joins_that_cluster"),
+    effects("trainer.ray_address", "tests/plan/test_launch.py::test_ray_address_joins_that_cluster"),
 ]
 
 

@@ -79,7 +79,7 @@ RULES = [
     (["worker.rollout.n=1"], "worker.rollout.n", "at least 2 per prompt"),
     (["algorithm.adv_estimator=gae"], "worker.critic.model.model_path", "gae needs the critic"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator", "valid: gae, grpo, grpo_passk, rloo, reinforce_plus_plus, "
-     "reinforce_plus_plus_baseline, remax, gpg, or your own as 'path/to/file.py:func'"),
+     "reinforce_plus_plus_baseline, remax, gpg, gigpo, or your own as 'path/to/file.py:func'"),
     (["algorithm.adv_estimator=adv.py:1x"], "algorithm.adv_estimator", "not a valid Python function name"),
     (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in [0.0, 1.0]"),
     (["algorithm.lam=-0.1"], "algorithm.lam", "must be in [0.0, 1.0]"),
@@ -120,7 +120,7 @@ RULES = [
     (["worker.actor.loss_type=./my_loss.py:loss", "worker.actor.off_policy_mask_threshold=0.5"],
      "worker.actor.off_policy_mask_threshold", "is a plug-in"),
     (["algorithm.adv_estimator=gpg", "algorithm.norm_adv_by_std_in_grpo=false"], "algorithm.norm_adv_by_std_in_grpo",
-     "only grpo and grpo_passk do"),
+     "only grpo, grpo_passk and gigpo do"),
     (["algorithm.adv_estimator=rloo", "algorithm.norm_adv_by_std_in_grpo=false"], "algorithm.norm_adv_by_std_in_grpo",
      "does not divide by a group std"),
     (["algorithm.use_bias_correction_kl=true"], "algorithm.use_bias_correction_kl", "use_kl_loss=false"),
@@ -210,6 +210,7 @@ RULES = [
      "worker.rollout.max_tokens_per_turn", "[1, 32]"),
     (["worker.rollout.environment=env.py:Game", "worker.rollout.ignore_eos=true"], "worker.rollout.ignore_eos",
      "a model turn ends at its EOS"),
+    (["algorithm.adv_estimator=gigpo"], "algorithm.adv_estimator", "worker.rollout.environment is unset"),
     # trainer
     (["trainer.val_freq=0"], "trainer.val_freq", "-1 (off) or >= 1"),
     (["trainer.save_freq=0"], "trainer.save_freq", "-1 (off) or >= 1"),
@@ -251,6 +252,12 @@ RULES = [
      "worker.rollout.one_step_off", "shorthand for worker.rollout.max_staleness=1"),
     (["worker.rollout.placement=separate", "worker.rollout.partial_rollout=true"], "worker.rollout.partial_rollout",
      "needs worker.rollout.max_staleness >= 1"),
+    (["worker.rollout.placement=separate", "worker.rollout.correct_staleness=false"], "worker.rollout.correct_staleness",
+     "acts only with worker.rollout.max_staleness >= 1"),
+    # the staleness correction off (or rejection chosen instead): the threshold configures no weights
+    (["worker.rollout.placement=separate", "worker.rollout.max_staleness=1", "worker.rollout.correct_staleness=false",
+      "algorithm.rollout_correction.rollout_is_threshold=3.0"], "algorithm.rollout_correction.rollout_is_threshold",
+     "rollout_is is null"),
     (["worker.rollout.placement=separate", "worker.rollout.max_staleness=1", "worker.rollout.partial_rollout=true",
       "worker.rollout.name=hf"], "worker.rollout.partial_rollout", "needs worker.rollout.name=vllm"),
     (["worker.rollout.placement=separate", "worker.rollout.max_staleness=1", "worker.rollout.partial_rollout=true",
@@ -297,8 +304,9 @@ def test_rule(overrides, key, phrase):
 
 @pytest.mark.parametrize("estimator", GROUP_ADV_ESTIMATORS)
 def test_group_estimators_need_several_samples(estimator):
+    environment = ["worker.rollout.environment=./game.py:Game"] if estimator == "gigpo" else []  # gigpo needs one
     found = problems(f"algorithm.adv_estimator={estimator}", "worker.rollout.n=1", "worker.actor.global_batch_size=2",
-                     "worker.actor.micro_batch_size_per_device_for_update=1")
+                     "worker.actor.micro_batch_size_per_device_for_update=1", *environment)
     assert [p.key for p in found] == ["worker.rollout.n"]
     assert estimator in found[0].message
 
@@ -334,8 +342,12 @@ ACCEPTED = [
     ["worker.rollout.tools=[image_zoom,calculator,./my_tools.py:search]", "worker.rollout.max_turns=6",
      "worker.rollout.max_tokens_per_turn=16", "worker.rollout.tool_timeout=2.5"],
     ["worker.rollout.environment=./game.py:Game", "worker.rollout.max_turns=8"],
+    ["worker.rollout.environment=./game.py:Game", "algorithm.adv_estimator=gigpo", "algorithm.norm_adv_by_std_in_grpo=false"],
     ["worker.actor.router_replay=R3", "worker.rollout.name=hf", "worker.actor.router_aux_loss_coef=0"],
     ["worker.actor.router_replay=R3", "worker.rollout.name=vllm"],  # vLLM records routing too (rollout/vllm_routing.py)
+    # the staleness correction's weights: its threshold acts without rollout_is
+    ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2",
+     "algorithm.rollout_correction.rollout_is_threshold=3.0", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
 ]
 
 
@@ -479,11 +491,15 @@ def test_tools_example_is_the_demo_with_the_zoom_task_and_its_tool(monkeypatch):
     assert tools.worker.reward.reward_function == "./reward_functions/zoom.py:compute_score"
 
 
-def test_one_step_off_without_a_correction_is_noted():
+def test_one_step_off_says_how_its_stale_samples_are_trained():
     from easyvlm.config.validate import notices
 
     async_only = ["worker.rollout.placement=separate", "worker.rollout.one_step_off=true"]
-    assert any("no rollout correction" in line for line in notices(load_config(BASE + async_only)))
-    corrected = async_only + ["algorithm.rollout_correction.rollout_is=token"]
+    said = notices(load_config(BASE + async_only))
+    assert any("token-level importance weights" in line and "correct_staleness=false" in line for line in said)
+    uncorrected = async_only + ["worker.rollout.correct_staleness=false"]
+    assert any("no rollout correction" in line for line in notices(load_config(BASE + uncorrected)))
+    corrected = async_only + ["algorithm.rollout_correction.rollout_is=token"]  # the user's own: nothing to say
     assert problems(*corrected) == []
-    assert not any("no rollout correction" in line for line in notices(load_config(BASE + corrected)))
+    assert not any("rollout_correction" in line or "correct_staleness" in line
+                   for line in notices(load_config(BASE + corrected)))

@@ -63,6 +63,16 @@ def test_pure_distillation_refuses_what_acts_through_the_reward(overrides, key, 
     assert words in keyed(*PURE, *overrides)[key]
 
 
+def test_the_rollout_is_threshold_acts_on_the_one_sample_loss_without_rollout_is():
+    # its upper bound truncates the distillation loss's off-policy weight (the full KL and the
+    # advantage form have none): set alone, it is refused only where nothing reads it
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    assert problems(*TEACHER, f"{key}=3.0") == []
+    for form in ("algorithm.distill_full_kl=true", "algorithm.distill_as_reward=true"):
+        assert "rollout_is is null" in keyed(*TEACHER, form, f"{key}=3.0")[key]
+    assert "rollout_is is null" in keyed(f"{key}=3.0")[key]
+
+
 def test_the_teacher_is_never_trained():
     assert "no optimizer" in keyed(*TEACHER, "worker.teacher.offload.offload_optimizer=true")[
         "worker.teacher.offload.offload_optimizer"]

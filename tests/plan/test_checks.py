@@ -207,12 +207,13 @@ def test_r3_with_vllm_on_the_cpu_needs_the_eager_model():
 def test_the_refusal_comes_before_ray_from_the_real_model(easyvlm_cache_dir, monkeypatch, capsys):
     """The trainer's entry point on the builtin tiny Qwen3.5 with worker.rollout.name=vllm on the CPU:
     exit 2 with the key and the fix, from the plan (the model's config), before Ray or an engine starts."""
+    import easyvlm.plan.launch as launch
     import easyvlm.trainer.main as trainer_main
     from easyvlm.builtin.models import materialize_model
     from plan_testing import BASE_OVERRIDES, REPO
 
     model = materialize_model("tiny-qwen3.5", cache_dir=easyvlm_cache_dir)
-    monkeypatch.setattr(trainer_main, "pick_device", lambda cfg: "cpu")
+    monkeypatch.setattr(launch, "pick_device", lambda cfg: "cpu")
     monkeypatch.setattr(trainer_main, "start_ray", lambda plan: pytest.fail("Ray was started"))
     monkeypatch.setattr("easyvlm.rollout.factory.build_rollout", lambda *a, **k: pytest.fail("an engine was built"))
     args = [*BASE_OVERRIDES, f"worker.actor.model.model_path={model}", "worker.rollout.name=vllm",

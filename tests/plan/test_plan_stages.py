@@ -15,6 +15,7 @@ from plan_testing import plan_for
 
 REWARDS = Path(__file__).resolve().parents[2] / "reward_functions"
 ONE_UPDATE = "worker.actor.global_batch_size=24"  # all 24 prompts in one mini-batch, one epoch: on-policy
+ASYNC = ("worker.rollout.placement=separate", "worker.rollout.max_staleness=2")
 TAIL = ("rewards", "token_rewards", "advantages", "update_actor")
 # on-policy distillation with the student's own starting model as the teacher (same tokenizer)
 TEACHER = ("algorithm.disable_kl=true", "algorithm.distill_coef=1.0", "worker.teacher.enable=true",
@@ -39,6 +40,15 @@ CASES = {
     # the rollout correction compares the old log-probs with the sampler's: computed even on-policy
     "rollout_is": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.rollout_correction.rollout_is=token"),
                    ("old_logprobs", "rewards", "token_rewards", "advantages", "rollout_correction", "update_actor")),
+    # asynchronous with nothing set: the staleness correction (token IS, decoupled PPO) with its pass
+    "async_default": ((ONE_UPDATE, "algorithm.disable_kl=true", *ASYNC),
+                      ("old_logprobs", "rewards", "token_rewards", "advantages", "rollout_correction", "update_actor")),
+    # ... turned off: the stale samples are trained as if fresh (on-policy update: no pass)
+    "async_uncorrected": ((ONE_UPDATE, "algorithm.disable_kl=true", *ASYNC, "worker.rollout.correct_staleness=false"),
+                          TAIL),
+    # ... and the user's own choice (bypass) is kept as set
+    "async_bypass": ((ONE_UPDATE, "algorithm.disable_kl=true", *ASYNC, "algorithm.rollout_correction.bypass_mode=true"),
+                     ("sampler_logprobs", *TAIL)),
     # bypass: the sampler's log-probs stand in for the old ones, no pass
     "bypass": (("algorithm.disable_kl=true", "algorithm.rollout_correction.bypass_mode=true"), ("sampler_logprobs", *TAIL)),
     "gdpo": ((ONE_UPDATE, "algorithm.disable_kl=true", "algorithm.adv_estimator=grpo", "worker.rollout.n=2",
@@ -82,3 +92,20 @@ def test_experiment_config_records_the_stages(tiny_model_path, tmp_path):
     open_tracker(plan, total_steps=1, start_step=0).close()
     record = json.loads((tmp_path / "experiment_config.json").read_text())
     assert record["batch_stages"] == list(CASES["base"][1]) and record["algorithm"]["adv_estimator"] == "reinforce_plus_plus"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ((), "token"),  # nothing set: the staleness correction, at the section's threshold
+    (("algorithm.rollout_correction.rollout_is=sequence",), "sequence"),  # the user's choice kept
+    (("algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold=0.01"),
+     None),  # rejection alone is a correction the user chose: no weights added
+    (("worker.rollout.correct_staleness=false",), None),
+])
+def test_asynchronous_rollout_trains_with_the_staleness_correction_unless_told_otherwise(tiny_model_path, overrides,
+                                                                                        expected):
+    # the threshold acts with the weights only (the config check refuses it otherwise)
+    threshold = ("algorithm.rollout_correction.rollout_is_threshold=3.0",) if expected else ()
+    rc = plan_for(tiny_model_path, *ASYNC, *threshold, *overrides).driver.advantage.rollout_correction
+    assert rc.rollout_is == expected and rc.rollout_is_threshold == ("3.0" if expected else "2.0")
+    synchronous = plan_for(tiny_model_path, "worker.rollout.placement=separate").driver.advantage.rollout_correction
+    assert synchronous.rollout_is is None  # synchronous samples are never stale

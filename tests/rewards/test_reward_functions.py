@@ -168,6 +168,25 @@ def test_multiple_choice():
         assert s == pytest.approx({"overall": 0.9 * accuracy + 0.1 * fmt, "accuracy": accuracy, "format": fmt}), r
 
 
+def test_environment():
+    def episode(reward, info):
+        trajectory = {"messages": [], "tool_calls": [], "num_turns": 3, "finish": "done", "environment_reward": reward,
+                      "environment_info": info}
+        return inp("click(4)", "click(1) click(3) click(4)", trajectory=trajectory)
+
+    cases = [
+        # environment_reward, last step's info -> overall = the return, accuracy = success
+        (2.0, {"state_key": "ticked 1,3", "outcome": "success", "success": True}, 2.0, 1.0),  # a solved GUI task
+        (1 / 3, {"outcome": "failed", "success": False}, 1 / 3, 0.0),  # OK pressed too early after one toggle
+        (0.5, {}, 0.5, 0.0),  # an environment that never says success: never accurate
+        (-0.25, {"success": 1}, -0.25, 1.0),  # any truthy success counts
+    ]
+    scores = score("environment.py", [episode(reward, info) for reward, info, _, _ in cases])
+    assert scores == [{"overall": overall, "accuracy": accuracy} for _, _, overall, accuracy in cases]
+    with pytest.raises(ValueError, match="no environment_reward; set worker.rollout.environment"):
+        score("environment.py", [inp("red", "red")])  # a single-turn run
+
+
 @pytest.mark.parametrize("name", ["synthetic", "math", "r1v", "dapo", "grounding", "multiple_choice"])
 def test_each_reward_has_a_format_prompt_with_content(name):
     assert (SHIPPED / f"{name}.py").is_file()

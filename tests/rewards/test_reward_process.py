@@ -51,3 +51,25 @@ def test_failed_setup_raises_start_error():
     server = ServingProcess(setup_fails, (), handle, name="test-server")
     with pytest.raises(StartError, match=r"test-server: setup failed in the child process: ImportError: no module named nowhere"):
         server.start()
+
+
+def setup_slowly(seconds: float) -> float:
+    time.sleep(seconds)
+    return 0
+
+
+def test_launched_children_set_up_side_by_side():
+    """Two children whose setup sleeps 3 s: launched first, then waited for, they are ready in about
+    3 s (plus process start-up); started one after the other they would need 6 s at least."""
+    servers = [ServingProcess(setup_slowly, (3.0,), handle, name=f"test-server-{i}") for i in range(2)]
+    try:
+        start = time.monotonic()
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.start()
+        assert time.monotonic() - start < 6.0
+        assert [server.call("ab", timeout=30)[1][0] for server in servers] == [2, 2]  # 0 + len("ab")
+    finally:
+        for server in servers:
+            server.stop()

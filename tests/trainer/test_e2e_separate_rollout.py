@@ -63,39 +63,55 @@ class TestSeparateRollout:
             assert 0 <= row["rollout/staleness_max"] <= 2 and 0 <= row["rollout/partial_fraction"] <= 1
         assert rows[0]["rollout/staleness_max"] == 0.0  # step 1 trains at version 0: nothing can be older
 
-    @pytest.mark.parametrize("feature", ["environment", "online_filtering"])
-    def test_one_step_off_with_multi_turn_or_online_filtering_logs_staleness(self, feature, e2e_base_args, tmp_path):
-        """Issue 55: whole batches generated a step ahead with an environment (multi-turn: the
-        loop rebuilds the batch, which used to lose the samples' version, so the staleness metrics
-        vanished) and with DAPO's online filtering (several rounds per batch): each step's samples
-        are one update old at most, and step 1's of version 0."""
+    @pytest.mark.parametrize("feature", ["environment", "tools", "online_filtering", "distillation"])
+    def test_one_step_off_with_each_generation_feature_logs_staleness(self, feature, e2e_base_args, tmp_path):
+        """Issue 55: whole batches generated a step ahead with an environment or tools (multi-turn:
+        the loop rebuilds the batch, which used to lose the samples' version, so the staleness
+        metrics vanished), with DAPO's online filtering (several rounds per batch) and with on-policy
+        distillation (its one-sample loss weighted against the stale samples' behaviour policy):
+        each step's samples are one update old at most, and step 1's of version 0; the default
+        staleness correction's weights are made every step."""
         from easyvlm.trainer.main import main
 
         environment = f"{REPO_ROOT / 'examples' / 'environments' / 'look_again.py'}:LookAgain"
         extra = {
             "environment": [f"worker.rollout.environment={environment}", "worker.rollout.max_turns=2",
                             "worker.rollout.max_tokens_per_turn=4", "data.max_response_length=128"],
+            "tools": ["worker.rollout.tools=[calculator]", "worker.rollout.max_turns=2",
+                      "worker.rollout.max_tokens_per_turn=4", "data.max_response_length=128"],
             "online_filtering": [f"worker.reward.reward_function={HASH_REWARD}", "algorithm.online_filtering=true",
                                  "algorithm.filter_key=accuracy", "algorithm.filter_low=0.01",
                                  "algorithm.filter_high=0.99"],
+            # the student's own starting model as the teacher
+            "distillation": ["algorithm.disable_kl=true", "algorithm.distill_coef=1.0", "worker.teacher.enable=true",
+                             "worker.teacher.model.model_path=builtin:tiny-qwen2.5-vl"],
         }[feature]
         main([*e2e_base_args, *SEPARATE, "worker.rollout.name=vllm", "worker.rollout.max_staleness=1",
-              "trainer.max_steps=3", "algorithm.rollout_correction.rollout_is=token", *extra,
-              f"trainer.save_checkpoint_path={tmp_path}"])
+              "trainer.max_steps=3", *extra, f"trainer.save_checkpoint_path={tmp_path}"])
         rows = read_jsonl(tmp_path / "experiment_log.jsonl")
         assert [r["step"] for r in rows] == [1, 2, 3]
         # batches in step order, each generated with version d - 1 - k = d - 2 (0 at least)
         assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+        for row in rows:  # the default staleness correction: rollout_is=token (no key set here)
+            assert_finite(row, ["actor/pg_loss", "rollout_corr/rollout_is_mean"])
         if feature == "environment":
             assert all(r["multi_turn/turns/mean"] == 2.0 for r in rows)
-        else:
+        elif feature == "tools":
+            assert all(1.0 <= r["multi_turn/turns/mean"] <= 2.0 for r in rows)
+        elif feature == "online_filtering":
             assert all(r["online_filtering/rounds"] >= 1.0 for r in rows)
+        else:
+            assert all(r["distill/reverse_kl"] == r["distill/reverse_kl"] for r in rows)  # logged, not NaN
 
-    def test_a_killed_engine_is_restarted_and_every_prompt_is_trained_once(self, e2e_base_args, tmp_path, monkeypatch):
-        # the streamed (partial rollout) path, whose recovery resubmits the lost groups; the whole-batch
-        # path's retry is checked in process (tests/trainer/test_rollout_service.py, with a fake engine
-        # that dies), which keeps this ~1 min real-process run to one variant in CI
-        partial = True
+    @pytest.mark.parametrize("partial", [False, True], ids=["whole_batches", "streamed"])
+    @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+    def test_a_killed_or_stopped_engine_is_restarted_and_every_prompt_is_trained_once(
+            self, signal_name, partial, e2e_base_args, tmp_path, monkeypatch):
+        """Issue 55. SIGKILL: the engine's process dies. SIGSTOP: it stays alive but answers nothing
+        (a hung engine), which the watched rollout group finds by its ping (timeout shortened to
+        3 s here) and kills, so that it is restarted like a dead one. Streamed (partial rollouts):
+        the recovery resubmits the lost groups; whole batches: the producer's generation call is
+        retried on the restarted engine, given the same weights."""
         import os
         import signal
         import threading
@@ -103,19 +119,22 @@ class TestSeparateRollout:
 
         import ray
 
+        from easyvlm.distributed import worker_group
         from easyvlm.trainer.main import main
 
         monkeypatch.setenv("EASYVLM_LOG_DATA_ORDER", "1")
+        monkeypatch.setattr(worker_group, "PING_INTERVAL_S", 1.0)
+        monkeypatch.setattr(worker_group, "PING_TIMEOUT_S", 3.0)
         log = tmp_path / "experiment_log.jsonl"
         killed = []
 
         def kill_the_engine_after_step_1():
             # step 1 is logged right after its weights were published: the engines are generating
-            # step 2's (k = 1: step 3's) samples when the SIGKILL lands
+            # step 2's (k = 1: step 3's) samples when the signal lands (the pid answers at once)
             while not (log.exists() and log.read_text().strip()):
                 time.sleep(0.02)
             pid = ray.get(ray.get_actor("easyvlm-rollout-0").pid.remote())
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, getattr(signal, signal_name))
             killed.append(pid)
 
         threading.Thread(target=kill_the_engine_after_step_1, daemon=True).start()

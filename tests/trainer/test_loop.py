@@ -78,7 +78,7 @@ class FakeRank:
 class FakeGroup:
     """A worker group: records every call, answers with fixed tensors."""
 
-    def __init__(self, name, resources, factory, share=1.0, pg=None):
+    def __init__(self, name, resources, factory, share=1.0, pg=None, watched=False):
         self.name, self.pg, self.calls = name, "pg", []
         self.workers = [FakeRank(peak) for peak in RANK_PEAKS]
         self.loaded: list[int] = []  # a separate rollout group: the weights sent to it (updates they hold)

@@ -22,7 +22,7 @@ from easyvlm.rewards.types import RewardResult
 from rollout_testing import FakeRolloutEngine
 from easyvlm.trainer import async_rollout, rollout_service
 from easyvlm.trainer.rollout_service import RolloutService
-from easyvlm.workers.hybrid import RolloutHost
+from easyvlm.workers.hosts import RolloutHost
 
 B, N = 2, 4  # prompt groups per step, samples per prompt (LOOP_OVERRIDES)
 RESPONSE = [5, 6, 7, 8, 9, 10]  # 6 tokens, no EOS: a sample takes 6 stream steps (4 per advance)
@@ -105,6 +105,12 @@ class LocalGroup:
 
     def call_all(self, method, *args, **kwargs):
         return [w._call(method, *args, **kwargs) for w in self.workers]
+
+    def answers(self, calls):  # the calls ran already: their answers
+        return [answer for _, answer in calls]
+
+    def responds(self, rank: int) -> bool:
+        return not self.workers[rank].dead
 
     def restart(self, rank: int) -> None:
         self.restarts.append(rank)

@@ -6,9 +6,12 @@ two distributions differ at every token)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from plan_testing import plan_for
+from teacher_testing import padded_teacher
 from workers_testing import PROMPTS, RESPONSE_LENGTHS, make_rl_batch
 
 from easyvlm.workers.actor import ActorWorker
@@ -119,6 +122,43 @@ def test_the_distillation_term_is_the_reverse_kl_to_the_teacher(process_group, t
     assert metrics["actor/distill_loss"] == pytest.approx(kl, rel=1e-4, abs=1e-6)
     assert metrics["distill/teacher_logprob"] == pytest.approx(expected["teacher_logprob"], rel=1e-5)
     assert "actor/pg_loss" in metrics  # RL plus distillation: the policy term is there
+
+
+@pytest.mark.parametrize(("shift", "threshold", "weight"), [(math.log(1.5), "2.0", 1.5), (math.log(3.0), "2.5", 2.5)])
+def test_off_policy_tokens_weight_the_one_sample_loss(process_group, tiny_model_path, batch, expected, shift, threshold,
+                                                      weight):
+    """Old log-probs ``shift`` below the student's on every token (a behaviour policy that liked the
+    samples less): each token's weight pi_s / pi_b = e^shift, truncated at the upper bound of
+    algorithm.rollout_correction.rollout_is_threshold (1.5 under 2.0; 3 capped at 2.5), so the loss
+    is that times the on-policy one; the one-sample estimate logged as distill/reverse_kl is not weighted."""
+    plan = plan_for(tiny_model_path, *teacher_args(tiny_model_path,
+                                                   f"algorithm.rollout_correction.rollout_is_threshold={threshold}"))
+    actor, teacher = ActorWorker(plan.actor, rank=0, world_size=1), make_teacher(plan)
+    data = batch.union(teacher.compute_ref_logprobs(batch))
+    data["old_logprobs"] = actor.compute_logprobs(data)["old_logprobs"] - shift
+    metrics = actor.update_policy(data)  # one mini-batch: the update's pass is at the weights of compute_logprobs
+    assert metrics["actor/distill_loss"] == pytest.approx(weight * expected["one_sample"], rel=1e-4, abs=1e-6)
+    assert metrics["distill/reverse_kl"] == pytest.approx(expected["one_sample"], rel=1e-4, abs=1e-6)
+
+
+def test_a_teacher_padded_past_the_tokenizer_is_the_student_on_the_shared_rows(process_group, tiny_model_path, batch,
+                                                                              tmp_path):
+    """The student's own model with 8 output rows past the tokenizer (resize_token_embeddings puts
+    them near the mean of the others: unblocked they would take ~8/272 of the mass, shifting every
+    log-prob by ~0.03). The teacher blocks them, so its log-probs of the sampled tokens are the
+    student's, and the full KL over the 264 shared rows (the student's 264 against its 272) is 0."""
+    teacher_dir = padded_teacher(tiny_model_path, 8, tmp_path / "padded")
+    plan = plan_for(tiny_model_path, *teacher_args(str(teacher_dir), "algorithm.distill_full_kl=true"))
+    actor = ActorWorker(plan.actor, rank=0, world_size=1)
+    teacher = RefWorker(plan.teacher, rank=0, world_size=1, output="teacher_logprobs", section="worker.teacher")
+    actor.teacher_distribution = teacher.log_distribution
+    assert teacher.log_distribution(batch).shape[-1] == 272
+    data = batch.union(teacher.compute_ref_logprobs(batch))
+    mask = batch["response_mask"]
+    student = actor.compute_logprobs(batch)["old_logprobs"]
+    torch.testing.assert_close(data["teacher_logprobs"][mask], student[mask], rtol=0, atol=1e-5)
+    metrics = actor.update_policy(data)
+    assert abs(metrics["distill/reverse_kl"]) < 1e-6 and abs(metrics["actor/distill_loss"]) < 1e-6
 
 
 def test_pure_distillation_takes_no_gradient_from_the_advantages(process_group, tiny_model_path, batch):

@@ -11,6 +11,7 @@ import torch
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage, kl_penalty
 from easyvlm.algorithms.distill import distill_advantages as teacher_advantages, distill_metrics
 from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
+from easyvlm.algorithms.step_groups import step_group_metrics
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.stages.state import Stage, StepState
@@ -80,8 +81,14 @@ class Advantages:
                 gamma=adv.gamma,
                 lam=adv.lam,
                 norm_by_std=adv.norm_by_std,
+                # environment runs (easyvlm.agents.loop): what the step-level estimator (gigpo) reads
+                turn_index=batch.get("turn_index"),
+                step_rewards=batch.get("step_rewards"),
+                step_anchors=batch.get("step_anchors"),
             ))
             batch["token_rewards"], batch["advantages"], batch["returns"] = state.token_rewards, out.advantages, out.returns
+            if adv.estimator == "gigpo":
+                state.metrics.update(step_group_metrics(batch["group_ids"], batch["step_anchors"], batch["turn_index"]))
 
 
 def distill_advantages(trainer: Any) -> Stage:
