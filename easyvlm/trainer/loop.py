@@ -37,7 +37,7 @@ from easyvlm.trainer.metrics import (
     timing_per_token_metrics,
 )
 from easyvlm.trainer.rollout_service import RolloutService
-from easyvlm.trainer.stages import StepState, build_stages
+from easyvlm.trainer.stages import StageContext, StepState, build_stages
 from easyvlm.trainer.topology import Workers
 from easyvlm.trainer.validation import validate
 from easyvlm.utils.safe_state import load_state, rng_state, set_rng_state
@@ -87,7 +87,10 @@ class Trainer:
         # generation and the policy's version, in the plan's placement
         self.service = RolloutService(plan, self.workers, self.scorer, train_loader, self.total_steps,
                                       getattr(train_loader.dataset, "encoder", None))
-        self.stages = build_stages(self.spec.stages, self)  # what the step does to its batch, in order
+        context = StageContext(advantage=self.spec.advantage, workers=self.workers, service=self.service,
+                               scorer=self.scorer, actor_sp=self.actor_sp, critic_sp=self.critic_sp,
+                               kl_ctrl=self.kl_ctrl, entropy_ctrl=self.entropy_ctrl)
+        self.stages = build_stages(self.spec.stages, context)  # what the step does to its batch, in order
 
     def placement(self) -> list[str]:
         """Where the ranks and the reward actor run, when the run spans nodes (nothing on one node)."""

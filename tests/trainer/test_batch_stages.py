@@ -14,7 +14,7 @@ from easyvlm.algorithms.kl import FixedKLController
 from easyvlm.algorithms.settings import KLSettings
 from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
-from easyvlm.trainer.stages import STAGES, StepState
+from easyvlm.trainer.stages import STAGES, StageContext, StepState
 
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
 
@@ -25,8 +25,8 @@ def advantage_spec(**changes):
     return SimpleNamespace(**{**spec, **changes})
 
 
-def trainer_with(**advantage) -> SimpleNamespace:
-    return SimpleNamespace(spec=SimpleNamespace(advantage=advantage_spec(**advantage)), kl_ctrl=FixedKLController(0.1))
+def trainer_with(**advantage) -> StageContext:
+    return StageContext(advantage=advantage_spec(**advantage), kl_ctrl=FixedKLController(0.1))
 
 
 def step_state(result: RewardResult | None = None) -> StepState:
@@ -89,8 +89,7 @@ def test_multi_objective_replaces_the_sequence_rewards_with_gdpo_scores():
 def test_the_actor_waits_for_the_critic_warmup():
     calls = []
     hybrid = SimpleNamespace(dispatch_collect=lambda *args, **kwargs: calls.append(args) or [{"actor/pg_loss": 0.5}])
-    trainer = SimpleNamespace(spec=SimpleNamespace(advantage=advantage_spec(critic_warmup=1)), entropy_ctrl=None,
-                              workers=SimpleNamespace(hybrid=hybrid), actor_sp=1)
+    trainer = StageContext(advantage=advantage_spec(critic_warmup=1), workers=SimpleNamespace(hybrid=hybrid))
     stage, state = STAGES["update_actor"](trainer), step_state()
     stage(state)  # step 1 <= critic_warmup: no update
     assert calls == []

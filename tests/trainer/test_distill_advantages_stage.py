@@ -10,7 +10,7 @@ import torch
 
 from easyvlm.algorithms.settings import DistillSettings
 from easyvlm.data.batch import Batch
-from easyvlm.trainer.stages import STAGES, StepState
+from easyvlm.trainer.stages import STAGES, StageContext, StepState
 
 MASK = torch.tensor([[True, True, False], [True, False, False]])
 TEACHER = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, 0.0, 0.0]])  # padding may hold anything
@@ -20,7 +20,7 @@ TOKEN_REWARDS = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
 
 
 def run_stage(**settings) -> StepState:
-    trainer = SimpleNamespace(spec=SimpleNamespace(advantage=SimpleNamespace(distill=DistillSettings(**settings))))
+    trainer = StageContext(advantage=SimpleNamespace(distill=DistillSettings(**settings)))
     batch = Batch({"response_mask": MASK, "teacher_logprobs": TEACHER, "old_logprobs": OLD})
     if not settings.get("distill_only"):
         batch["advantages"] = ESTIMATED.clone()

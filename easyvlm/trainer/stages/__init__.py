@@ -1,8 +1,8 @@
 """The batch stages: what happens to a step's rollout batch between sampling and the end of the
 update, as an ordered list of small steps that the run plan names (``DriverSpec.stages``, made by
 ``easyvlm.plan.stages.batch_stages``; written to ``experiment_config.json``) and the Trainer runs in
-that order. A stage reads and writes the step's `StepState`; it is built once per run from the
-Trainer by the factory registered under its name (``STAGES``).
+that order. A stage reads and writes the step's `StepState`; it is built once per run by the factory
+registered under its name (``STAGES``) from the run's `StageContext`.
 
 A new behaviour between sampling and the update is a new module here with its factory registered
 below and a line in ``easyvlm.plan.stages``: the Trainer's loop does not change.
@@ -10,18 +10,18 @@ below and a line in ``easyvlm.plan.stages``: the Trainer's loop does not change.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 from easyvlm.trainer.stages.advantages import Advantages, distill_advantages, kl_in_reward, multi_objective, token_rewards
 from easyvlm.trainer.stages.experience import (
     old_logprobs, ref_logprobs, remax_baseline, sampler_logprobs, teacher_logprobs, values,
 )
 from easyvlm.trainer.stages.rewards import rewards
-from easyvlm.trainer.stages.state import Stage, StepState
+from easyvlm.trainer.stages.state import Stage, StageContext, StepState
 from easyvlm.trainer.stages.update import rollout_correction, update_actor, update_critic
 
-# name -> factory(trainer) -> Stage; the plan's names (easyvlm.plan.stages) are these
-STAGES: dict[str, Callable[[Any], Stage]] = {
+# name -> factory(context) -> Stage; the plan's names (easyvlm.plan.stages) are these
+STAGES: dict[str, Callable[[StageContext], Stage]] = {
     "remax_baseline": remax_baseline,
     "sampler_logprobs": sampler_logprobs,
     "old_logprobs": old_logprobs,
@@ -40,11 +40,11 @@ STAGES: dict[str, Callable[[Any], Stage]] = {
 }
 
 
-def build_stages(names: tuple[str, ...], trainer: Any) -> list[tuple[str, Stage]]:
-    """The plan's stages, each built for ``trainer``, in order."""
+def build_stages(names: tuple[str, ...], ctx: StageContext) -> list[tuple[str, Stage]]:
+    """The plan's stages, each built on ``ctx``, in order."""
     unknown = [name for name in names if name not in STAGES]
     assert not unknown, f"stages the trainer does not know: {unknown}"
-    return [(name, STAGES[name](trainer)) for name in names]
+    return [(name, STAGES[name](ctx)) for name in names]
 
 
-__all__ = ["STAGES", "Stage", "StepState", "build_stages"]
+__all__ = ["STAGES", "Stage", "StageContext", "StepState", "build_stages"]

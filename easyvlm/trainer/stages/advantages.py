@@ -4,7 +4,6 @@ advantage estimator, and on-policy distillation's advantage from the teacher."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
@@ -14,13 +13,13 @@ from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
 from easyvlm.algorithms.step_groups import step_group_metrics
 from easyvlm.trainer import core
 from easyvlm.trainer.metrics import timed
-from easyvlm.trainer.stages.state import Stage, StepState
+from easyvlm.trainer.stages.state import Stage, StageContext, StepState
 
 
-def multi_objective(trainer: Any) -> Stage:
+def multi_objective(ctx: StageContext) -> Stage:
     """``algorithm.multi_objective_aggregation=normalize_then_sum``: GDPO's score from each reward
     function's own score replaces their weighted sum as the sequence reward."""
-    weights = trainer.spec.advantage.reward_weights
+    weights = ctx.advantage.reward_weights
 
     def run(state: StepState) -> None:
         with timed("adv", state.metrics):
@@ -32,7 +31,7 @@ def multi_objective(trainer: Any) -> Stage:
     return run
 
 
-def token_rewards(trainer: Any) -> Stage:
+def token_rewards(ctx: StageContext) -> Stage:
     """Each sequence's reward on its last response token."""
 
     def run(state: StepState) -> None:
@@ -42,18 +41,18 @@ def token_rewards(trainer: Any) -> Stage:
     return run
 
 
-def kl_in_reward(trainer: Any) -> Stage:
+def kl_in_reward(ctx: StageContext) -> Stage:
     """The KL to the reference subtracted from the token rewards, with the KL controller's coefficient
     (``critic/kl``, ``critic/kl_coef``); the controller then adapts to the step's KL."""
-    penalty = trainer.spec.advantage.kl.kl_penalty
+    penalty = ctx.advantage.kl.kl_penalty
 
     def run(state: StepState) -> None:
         with timed("adv", state.metrics):
             batch = state.batch
             kl = batch["ref_kl"] if penalty == "full" else kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], penalty)
-            state.token_rewards, kl_metrics = apply_kl_penalty(state.token_rewards, kl, trainer.kl_ctrl.value,
+            state.token_rewards, kl_metrics = apply_kl_penalty(state.token_rewards, kl, ctx.kl_ctrl.value,
                                                                batch["response_mask"].bool())
-            trainer.kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
+            ctx.kl_ctrl.update(kl_metrics["kl"], n_steps=len(batch))
             state.metrics.update({"critic/kl": kl_metrics["kl"], "critic/kl_coef": kl_metrics["kl_coef"]})
 
     return run
@@ -63,8 +62,8 @@ class Advantages:
     """``algorithm.adv_estimator``'s advantages and returns (with GDPO under grpo, the score is the
     advantage as it is: TRL's). ``estimate``: the estimator the run uses."""
 
-    def __init__(self, trainer: Any):
-        self.spec = trainer.spec.advantage
+    def __init__(self, ctx: StageContext):
+        self.spec = ctx.advantage
         self.estimate = get_advantage(self.spec.estimator)
         if self.spec.multi_objective_aggregation == "normalize_then_sum" and self.spec.estimator == "grpo":
             self.estimate = score_as_advantage
@@ -91,12 +90,12 @@ class Advantages:
                 state.metrics.update(step_group_metrics(batch["group_ids"], batch["step_anchors"], batch["turn_index"]))
 
 
-def distill_advantages(trainer: Any) -> Stage:
+def distill_advantages(ctx: StageContext) -> Stage:
     """On-policy distillation's advantages. ``distill_as_reward``: the teacher's log-prob advantage
     distill_coef * (log pi_T - log pi_old) per token, added to the estimator's (``distill/reverse_kl``
     and ``distill/teacher_logprob`` of the step's samples). ``distill_only``: that alone is the
     advantage, or, with the distillation as a loss term, none (0: the actor's loss has no policy term)."""
-    settings = trainer.spec.advantage.distill
+    settings = ctx.advantage.distill
 
     def run(state: StepState) -> None:
         with timed("adv", state.metrics):

@@ -3,16 +3,14 @@ the worker passes they overlapped with)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from easyvlm.trainer.metrics import timed
 from easyvlm.trainer.scoring import collect
-from easyvlm.trainer.stages.state import Stage, StepState
+from easyvlm.trainer.stages.state import Stage, StageContext, StepState
 
 
-def rewards(trainer: Any) -> Stage:
+def rewards(ctx: StageContext) -> Stage:
     """One reward per sample (``overall``), the reward metrics and the reward model's and judge's."""
 
     def run(state: StepState) -> None:
@@ -20,7 +18,7 @@ def rewards(trainer: Any) -> Stage:
             result = collect(state.reward)
         assert len(result.overall) == len(state.batch), "one reward per sample"
         state.metrics.update(result.metrics)
-        state.metrics.update(trainer.scorer.take_step_metrics())
+        state.metrics.update(ctx.scorer.take_step_metrics())
         state.result = result
         state.scores = state.sequence_rewards = torch.tensor(result.overall, dtype=torch.float32)
 

@@ -43,5 +43,27 @@ class StepState:
         return self._update_batch
 
 
+@dataclass(frozen=True)
+class StageContext:
+    """What the stages use of the run, made once by the Trainer: each stage's factory takes it and
+    reads only its own part (tests pass stand-ins with just that part)."""
+
+    advantage: Any
+    """The plan's ``AdvantageSpec``: estimator, KL, rollout correction, distillation, critic warm-up."""
+    workers: Any = None
+    """The run's ``Workers`` (easyvlm.trainer.topology): hybrid ranks, critic."""
+    service: Any = None
+    """The ``RolloutService`` (ReMax's greedy baseline generates through it)."""
+    scorer: Any = None
+    """The ``Scorer`` of the reward actor (the rewards stage waits on it; ReMax scores with it)."""
+    actor_sp: int = 1
+    """Ranks per sample group of the actor's passes (Ulysses): the dispatch's ``replicas``."""
+    critic_sp: int = 1
+    kl_ctrl: Any = None
+    """The KL coefficient's controller (kl_in_reward steps it; the Trainer checkpoints it)."""
+    entropy_ctrl: Any = None
+    """The adaptive entropy coefficient's controller, None when off (update_actor steps it)."""
+
+
 Stage = Callable[[StepState], None]
 """A stage reads and writes the step's state (its timing and metrics go into ``state.metrics``)."""

@@ -3,12 +3,11 @@ actor's batch and the actor's update, with the adaptive entropy coefficient when
 
 from __future__ import annotations
 
-from typing import Any
 
 from easyvlm.algorithms.rollout_correction import parse_rollout_correction
 from easyvlm.algorithms.rollout_correction import rollout_correction as correction_weights
 from easyvlm.trainer.metrics import timed
-from easyvlm.trainer.stages.state import Stage, StepState
+from easyvlm.trainer.stages.state import Stage, StageContext, StepState
 
 
 def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -16,22 +15,22 @@ def rank0_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return dict(per_rank[0])
 
 
-def update_critic(trainer: Any) -> Stage:
+def update_critic(ctx: StageContext) -> Stage:
     def run(state: StepState) -> None:
         with timed("update_critic", state.metrics):
-            per_rank = trainer.workers.critic.dispatch_collect("update_critic", state.update_batch(), trainer.critic_sp)
+            per_rank = ctx.workers.critic.dispatch_collect("update_critic", state.update_batch(), ctx.critic_sp)
             state.metrics.update(rank0_metrics(per_rank))
 
     return run
 
 
-def rollout_correction(trainer: Any) -> Stage:
+def rollout_correction(ctx: StageContext) -> Stage:
     """``algorithm.rollout_correction``: the actor's update batch with importance weights and the
     response mask without the rejected tokens (which then leave the loss's normaliser too, as in
     verl). The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
-    rc = trainer.spec.advantage.rollout_correction  # checked by the config check: parsing cannot fail
+    rc = ctx.advantage.rollout_correction  # checked by the config check: parsing cannot fail
     config = parse_rollout_correction(rc)
-    warmup = trainer.spec.advantage.critic_warmup
+    warmup = ctx.advantage.critic_warmup
 
     def run(state: StepState) -> None:
         if state.step <= warmup:  # no actor update yet
@@ -49,19 +48,19 @@ def rollout_correction(trainer: Any) -> Stage:
     return run
 
 
-def update_actor(trainer: Any) -> Stage:
-    """The actor's update after ``trainer.critic_warmup`` steps (the rollout service counts the step
-    as a new policy version after the stages)."""
-    warmup = trainer.spec.advantage.critic_warmup
+def update_actor(ctx: StageContext) -> Stage:
+    """The actor's update after ``critic_warmup`` steps (the rollout service counts the step as a new
+    policy version after the stages)."""
+    warmup = ctx.advantage.critic_warmup
 
     def run(state: StepState) -> None:
         if state.step <= warmup:
             return
-        ctrl = trainer.entropy_ctrl
+        ctrl = ctx.entropy_ctrl
         entropy = {} if ctrl is None else {"entropy_coeff": ctrl.bonus_coeff}  # adaptive: this update's coefficient
         batch = state.actor_batch if state.actor_batch is not None else state.update_batch()
         with timed("update_actor", state.metrics):
-            per_rank = trainer.workers.hybrid.dispatch_collect("update_actor", batch, trainer.actor_sp, **entropy)
+            per_rank = ctx.workers.hybrid.dispatch_collect("update_actor", batch, ctx.actor_sp, **entropy)
             state.metrics.update(rank0_metrics(per_rank))
         if ctrl is not None:  # the coefficient this update applied; the controller steps on its entropy
             state.metrics["actor/entropy_coeff"] = entropy["entropy_coeff"]
