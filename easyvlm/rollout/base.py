@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 from torch import Tensor
@@ -193,19 +193,22 @@ class RolloutEngine(ABC):
         (weights can be synced before the KV cache is allocated).
         """
 
-    # ------------------------------------------------------------------ the generation stream
-    # Partial rollouts: prompt groups are submitted, the engine is advanced a few decoding steps at a
-    # time and returns each group as soon as all its n samples are done, and new weights can be loaded
-    # between two steps without throwing away what the unfinished samples have sampled (each token is
-    # tagged with the weights' version that sampled it). Only the vLLM engine drives its scheduler
-    # step by step; the others refuse these calls.
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """A rollout engine with an interruptible generation stream (partial rollouts): prompt groups
+    are submitted, the engine is advanced a few decoding steps at a time and returns each group as
+    soon as all its n samples are done, and new weights can be loaded between two steps without
+    throwing away what the unfinished samples have sampled (each token is tagged with the weights'
+    version that sampled it). The vLLM engine is one (it drives its scheduler step by step); the
+    transformers engine is not (`streaming` refuses it)."""
 
     def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
         """Add the prompts of ``batch`` (a prompt Batch as generate() takes; n samples each, seeded
         per request as generate() seeds them when it carries ``SEED_KEY``) to the engine's running
         work as prompt groups. ``tag``: the caller's id of this submission; a group is identified by
         (tag, index of its prompt in ``batch``)."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
         """Run at most ``max_steps`` engine steps (fewer when nothing is left) and return the groups
@@ -213,26 +216,33 @@ class RolloutEngine(ABC):
         generate() builds them, plus ``rollout_token_versions`` (n, T) int64, the weights' version
         that sampled each response token, -1 after the end of the response, and ``rollout_version``
         (n,) int64, the oldest version among a sample's tokens)."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_set_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Load new weights between two engine steps; unfinished samples keep their tokens and go on
         with the new weights. Tokens sampled from now on are tagged ``version``."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_start_version(self, version: int) -> None:
         """Tag the tokens sampled from now on with ``version`` (the weights already loaded, e.g. by
         update_weights before the first submission), without loading anything."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_version(self) -> int:
         """The version the tokens sampled now are tagged with."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_pending(self) -> int:
         """Groups submitted and not yet returned by stream_advance (nor dropped by stream_cancel)."""
-        raise NotImplementedError(STREAM_ENGINE_ONLY)
+        ...
 
     def stream_cancel(self) -> list[tuple[int, int]]:
         """Abort every unfinished group's requests, forget them, and return their group ids."""
+        ...
+
+
+def streaming(engine: RolloutEngine) -> StreamingEngine:
+    """``engine`` as a `StreamingEngine`; NotImplementedError naming the engine that has a stream."""
+    if not isinstance(engine, StreamingEngine):
         raise NotImplementedError(STREAM_ENGINE_ONLY)
+    return engine

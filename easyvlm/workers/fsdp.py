@@ -59,17 +59,6 @@ DTYPES = {
 ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
-def parse_dtype(name: str | torch.dtype | None, default: torch.dtype, key: str = "fsdp dtype") -> torch.dtype:
-    """``name`` (any spelling of :data:`DTYPES`) as a torch dtype; ``default`` for None."""
-    if name is None:
-        return default
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"{key}={name!r} is not a dtype; valid: {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
 @dataclass(frozen=True)
 class FSDPPlan:
     """What ``apply_fsdp`` does for one role on one machine layout (see :func:`fsdp_plan`)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from easyvlm.data.batch import Batch
+from easyvlm.rollout.base import streaming
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.rollout.specs import RolloutSpec, Sampling
 from easyvlm.workers.dist import init_distributed
@@ -34,18 +35,18 @@ class RolloutHost:
     # ------------------------------------------------------------------ the generation stream
     def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
         self.rollout.wake_up(["kv_cache"])
-        self.rollout.stream_submit(batch, tag, sampling)
+        streaming(self.rollout).stream_submit(batch, tag, sampling)
 
     def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
-        return self.rollout.stream_advance(max_steps)
+        return streaming(self.rollout).stream_advance(max_steps)
 
     def stream_set_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """New weights between two decoding steps: the unfinished samples go on with them, each
         token tagged with the version that sampled it."""
-        self.rollout.stream_set_weights(state.items(), version)
+        streaming(self.rollout).stream_set_weights(state.items(), version)
 
     def stream_cancel(self) -> list[tuple[int, int]]:
-        return self.rollout.stream_cancel()
+        return streaming(self.rollout).stream_cancel()
 
     @staticmethod
     def threads() -> int:

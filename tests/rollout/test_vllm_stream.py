@@ -274,10 +274,14 @@ def test_weights_and_sleep_while_streaming(engine, model, prompts, monkeypatch):
     assert slept == [1]
 
 
-def test_engines_without_a_stream_refuse_it(prompts):
-    """RolloutEngine's defaults (the transformers engine has no stream) name the engine that has one."""
-    from easyvlm.rollout.base import RolloutEngine
+def test_engines_without_a_stream_refuse_it():
+    """The stream is a protocol (StreamingEngine): the vLLM engine and the test double have it; an
+    engine without it (the transformers engine) is refused by name of the engine that has one."""
+    from easyvlm.rollout.base import RolloutEngine, StreamingEngine, streaming
+    from easyvlm.rollout.hf import HFRolloutEngine
     from easyvlm.rollout.specs import Sampling
+    from easyvlm.rollout.vllm import VLLMRolloutEngine
+    from rollout_testing import FakeRolloutEngine
 
     class NoStream(RolloutEngine):
         def _sample(self, prompts, sampling, seeds=None):
@@ -288,9 +292,11 @@ def test_engines_without_a_stream_refuse_it(prompts):
 
     sampling = Sampling(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=2, ignore_eos=False)
     engine = NoStream(sampling, 2, 0, [2], [])
-    calls = (lambda: engine.stream_submit(prompts, 0), lambda: engine.stream_advance(1), engine.stream_cancel,
-             engine.stream_pending, engine.stream_version, lambda: engine.stream_set_weights([], 1),
-             lambda: engine.stream_start_version(1))
-    for call in calls:
-        with pytest.raises(NotImplementedError, match="worker.rollout.name=vllm"):
-            call()
+    with pytest.raises(NotImplementedError, match="worker.rollout.name=vllm"):
+        streaming(engine)
+    fake = FakeRolloutEngine(lambda ids, j: [5], sampling, 2, 0, [2])
+    assert streaming(fake) is fake
+    # the classes themselves: every stream method present on vLLM's, none on the transformers engine's
+    methods = [name for name in dir(StreamingEngine) if name.startswith("stream_")]
+    assert len(methods) == 7 and all(callable(getattr(VLLMRolloutEngine, m, None)) for m in methods)
+    assert not any(hasattr(HFRolloutEngine, m) for m in methods)
