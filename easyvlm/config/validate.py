@@ -14,7 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig, parse_is_threshold, parse_rejection
+from easyvlm.algorithms.rollout_correction_settings import (
+    RolloutCorrectionConfig, parse_is_threshold, parse_rejection, staleness_correction,
+)
 from easyvlm.config.introspect import is_finite_number
 from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
 from easyvlm.config.schema import PPOConfig
@@ -260,13 +262,12 @@ def _check_rollout_correction(c: Checks) -> None:
                   "'0.5_2.0' (YAML reads 0.5_2 as the number 0.52)")
     except ValueError as exc:
         c.add(f"{p}.rollout_is_threshold", str(exc))
-    # the keys that act without rollout_is: the threshold caps the one-sample distillation loss's
-    # off-policy weight; both configure the staleness correction (staleness_correction: rollout_is=token)
+    # the weights the run trains with: rollout_is, or the staleness correction's (the plan's rule);
+    # without them the threshold still caps the one-sample distillation loss's off-policy weight
     d, r = c.cfg.algorithm.distill, c.cfg.worker.rollout
+    weights = staleness_correction(rc, max(r.max_staleness, int(r.one_step_off)), r.correct_staleness).rollout_is
     acting = ("rollout_is_threshold",) if d.distill_coef > 0 and not (d.distill_as_reward or d.distill_full_kl) else ()
-    if (r.max_staleness > 0 or r.one_step_off) and r.correct_staleness and not rc.bypass_mode and rc.rollout_rs is None:
-        acting = ("rollout_is_threshold", "rollout_is_batch_normalize")
-    if rc.rollout_is is None:
+    if weights is None:
         for key in ("rollout_is_threshold", "rollout_is_batch_normalize"):
             if differs(rc, RolloutCorrectionConfig(), key) and key not in acting:
                 c.add(f"{p}.{key}", f"is set but {p}.rollout_is is null, so no importance weights are made; set "

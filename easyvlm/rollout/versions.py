@@ -33,9 +33,10 @@ class PolicyVersions:
         self._published: dict[int, Any] = {}
 
     def start(self, version: int) -> None:
-        """A run starts (or resumes) at ``version``; the engines hold the model files' weights."""
+        """Training starts (or resumes) at ``version``, nothing published yet. What the engines hold
+        stays as it is: validation before the first step may have synced them already."""
         with self.cond:
-            self.current, self.held = version, NOT_SYNCED
+            self.current = version
             self._published.clear()
             self.cond.notify_all()
 

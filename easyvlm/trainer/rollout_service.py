@@ -82,8 +82,7 @@ class RolloutService:
     def begin(self, version: int) -> None:
         """Start at ``version`` (the steps a loaded checkpoint had done; 0 on a fresh run): the
         asynchronous producer starts generating step ``version + 1``'s samples."""
-        with self.versions.cond:
-            self.versions.current = version
+        self.versions.start(version)
         if self.producer is not None:
             self.publish_weights({})
             self.producer.start(version + 1)
