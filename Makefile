@@ -26,7 +26,7 @@ $(STAMP): $(REQS)
 	@touch $@
 
 test: setup browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20  # the slowest tests, to keep CI under ~30 min
 
 # Debian's Chromium, for the rollout viewer's browser tests (tests/viewer/test_browser.py)
 browser:

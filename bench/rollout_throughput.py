@@ -62,7 +62,7 @@ def prompt_batch(plan, prompts: int):
     from easyvlm.data.collate import collate_prompts
     from easyvlm.data.dataset import RLDataset
 
-    data, bundle = plan.config.data, plan.bundle
+    data, bundle = plan.data, plan.bundle
     dataset = RLDataset(data.train_files, data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
     return collate_prompts([dataset[i] for i in range(prompts)], dataset.pad_token_id)
 

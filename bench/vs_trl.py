@@ -203,7 +203,7 @@ def prompt_shapes(model_dir: str, count: int) -> tuple[list[int], list[int]]:
     from easyvlm.data.dataset import RLDataset
 
     plan = bench_plan(example_args(f"worker.actor.model.model_path={model_dir}", f"data.train_files={DATA}"))
-    data, bundle = plan.config.data, plan.bundle
+    data, bundle = plan.data, plan.bundle
     dataset = RLDataset(data.train_files, data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config)
     tokens, patches = [], []
     for i in range(count):

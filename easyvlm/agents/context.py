@@ -1,9 +1,6 @@
-"""A multi-turn sample's response while it is generated (model turns and what answered them) and
-the image budget (``worker.rollout.max_images_in_context``): returned images older than the last
-k are shown as ``IMAGE_PLACEHOLDER``. Model turns sampled before such a removal stay in the
-sequence but leave the loss (``ModelTurn.trained``): they were sampled seeing the image, and
-every trained token must be trained in exactly the context it was sampled in.
-"""
+"""A multi-turn sample's response while it is generated, and the image budget
+(``max_images_in_context``): older returned images become ``IMAGE_PLACEHOLDER``, and model turns
+sampled before a removal leave the loss, since a token is trained only in the context it was sampled in."""
 
 from __future__ import annotations
 
@@ -99,8 +96,8 @@ class Response:
 
 
 def remove_oldest(response: Response, count: int, renderer: TurnRenderer) -> dict[int, Answer]:
-    """The answers of ``response`` that lose an image when its ``count`` oldest shown images are
-    removed, rendered again without them, by piece index; ``response`` is not changed."""
+    """By piece index, the answers that lose an image when the ``count`` oldest shown ones are removed,
+    rendered again; ``response`` is not changed."""
     changes: dict[int, Answer] = {}
     for i, piece in enumerate(response.pieces):
         if count <= 0:
@@ -115,8 +112,7 @@ def remove_oldest(response: Response, count: int, renderer: TurnRenderer) -> dic
 
 
 def apply_removal(response: Response, changes: dict[int, Answer]) -> None:
-    """Put the re-rendered answers in place; the model turns after the first of them were sampled
-    seeing what it no longer shows, so they leave the loss."""
+    """Put the re-rendered answers in place; the model turns after the first of them leave the loss."""
     for i, answer in changes.items():
         response.pieces[i] = answer
     if changes:

@@ -1,11 +1,6 @@
-"""Stateful environments: ``worker.rollout.environment=path/file.py:ClassName`` (docs/agents.md,
-"Writing an environment"). One instance per sample, made with no arguments: ``reset(row)`` (extra
-columns and ``ground_truth``) -> None or info, then ``step(action)`` on each model turn's text ->
-``(observation, done[, reward[, info]])``, the observation (text, PIL images, or None) shown as a
-user message. An environment that raises, exceeds ``worker.rollout.tool_timeout`` or returns
-something malformed ends its sample (``finish`` ``error``, out of the loss), not the run. The
-samples of a turn step at once, in threads: instances that share state must lock it.
-"""
+"""Stateful environments (``worker.rollout.environment=path/file.py:ClassName``; the interface:
+docs/agents.md, "Writing an environment"). One that raises, times out or returns something malformed
+ends its sample (out of the loss), not the run. Samples step at once in threads."""
 
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ def load_environment(spec: str) -> type:
 
 
 def environment_reset(cls: type, row: dict, timeout: float) -> tuple[Any, dict, str | None]:
-    """(the instance, the info of ``cls().reset(row)`` ({} unless a dict), None), or (None, {}, why
-    it failed): the constructor and ``reset`` together may take ``timeout`` seconds."""
+    """(instance, info of ``cls().reset(row)``, None), or (None, {}, why it failed) past ``timeout`` s."""
     def start() -> tuple[Any, Any]:
         env = cls()
         return env, env.reset(row)
@@ -70,8 +64,8 @@ RESET_STATE = "(the row's prompt)"  # the state after a reset without a state_ke
 
 
 def state_anchor(info: dict, observation: ToolResult | None = None) -> int:
-    """An int64 identity of the state for GiGPO's step groups: ``info["state_key"]`` when given, else
-    the observation's text and image bytes, else ``RESET_STATE``; blake2b: equal in every process."""
+    """An int64 identity of the state for GiGPO's step groups: blake2b of ``info["state_key"]``, else
+    of the observation's text and image bytes, else ``RESET_STATE``."""
     digest = hashlib.blake2b(digest_size=8)
     if "state_key" in info:
         key = info["state_key"]

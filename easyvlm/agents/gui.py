@@ -1,12 +1,7 @@
 """A GUI-style environment drawn with Pillow: numbered widgets on a 112x112 screen, tasks of 2-5
-dependent clicks, a screenshot after every action. Offline, deterministic per seed, no browser.
-
-Screen, tasks, actions (one ``click(N)`` or ``click(X, Y)`` per turn, in the screenshot's own
-pixels) and rewards: docs/agents.md, "The GUI environment". With n = ``GuiTask.min_actions``, a
-toggle or CLEAR earns (wrong boxes before - after) / n, OK with no wrong box ``1 / n +
-SUCCESS_REWARD``, anything else 0: a success returns ``1 + SUCCESS_REWARD`` whatever its detours.
-``GuiEnvironment`` wraps these pure functions; its rows are ``builtin:synthetic-gui``.
-"""
+dependent clicks, a screenshot after every action; offline, deterministic per seed. Screen, actions
+and rewards: docs/agents.md, "The GUI environment" (a success returns ``1 + SUCCESS_REWARD`` whatever
+its detours). ``GuiEnvironment`` wraps these pure functions; its rows are ``builtin:synthetic-gui``."""
 
 from __future__ import annotations
 
@@ -22,6 +17,9 @@ COLUMNS = 4
 BOX_ROWS = 3  # checkbox rows; the buttons take the row below
 SCREEN = CELL * COLUMNS  # 112 px square
 KINDS = ("tick", "untick")
+LAYOUTS = ("random", "row")
+"""random: boxes in random cells of the top three rows, so a box's label depends on where the others
+are; row: four boxes filling the top row, so box N is always the N-th cell (OK and CLEAR: 5 and 6)."""
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (235, 200, 20),
 }
@@ -134,17 +132,34 @@ def layout_task(kind: str, colour: str, boxes: list[tuple[int, str]], ok_left: b
     return dataclasses.replace(task, max_steps=steps)
 
 
-def make_task(seed: int, kind: str, max_steps: int | None = None) -> GuiTask:
-    """The task of ``seed``: 3-5 boxes in random cells, 1-4 of them (never all) of the task's colour."""
+def make_task(seed: int, kind: str, max_steps: int | None = None, layout: str = "random") -> GuiTask:
+    """The task of ``seed`` in ``layout`` (LAYOUTS): random, 3-5 boxes in random cells, 1-4 of them
+    (never all) of the task's colour; row, 4 boxes in the top row's cells, 1-3 of them of the colour."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown GUI layout {layout!r}; known: {list(LAYOUTS)}")
     rng = random.Random(seed)
-    count = rng.randint(3, 5)
+    count = COLUMNS if layout == "row" else rng.randint(3, 5)
     chosen = rng.randint(1, min(4, count - 1))
     names = sorted(COLOURS)
     colour = rng.choice(names)
     colours = [colour] * chosen + [rng.choice([c for c in names if c != colour]) for _ in range(count - chosen)]
     rng.shuffle(colours)
-    cells = sorted(rng.sample(range(BOX_ROWS * COLUMNS), count))
+    cells = list(range(COLUMNS)) if layout == "row" else sorted(rng.sample(range(BOX_ROWS * COLUMNS), count))
     return layout_task(kind, colour, list(zip(cells, colours)), ok_left=rng.random() < 0.5, max_steps=max_steps)
+
+
+def task_of_row(row: dict) -> GuiTask:
+    """The task a data row starts: its ``seed`` and ``task``, ``max_steps`` and ``layout`` if given
+    (random when absent: the rows of builtin:synthetic-gui have no layout column)."""
+    missing = [key for key in ("seed", "task") if key not in row]
+    if missing:
+        raise ValueError(f"GuiEnvironment: the data row has no {' and no '.join(missing)} column; use the rows of "
+                         "builtin:synthetic-gui or give each row a 'seed' (integer) and a 'task' (tick or untick)")
+    layout = row.get("layout") or "random"
+    if layout not in LAYOUTS:
+        raise ValueError(f"GuiEnvironment: the data row's layout column is {layout!r}; known: {list(LAYOUTS)} "
+                         "(builtin:synthetic-gui-row has row, rows without the column are random)")
+    return make_task(int(row["seed"]), str(row["task"]), row.get("max_steps"), layout)
 
 
 def solution(task: GuiTask) -> str:
@@ -291,16 +306,11 @@ def render_screen(task: GuiTask, ticked: frozenset[int]) -> Image.Image:
 
 class GuiEnvironment:
     """Every step answers [screenshot, text]; the episode ends on OK or at the step limit. Info:
-    ``state_key`` (the ticked boxes: what the screenshot shows); a step's also ``outcome`` (None
-    while the episode runs, else success, failed or step_limit) and ``success``."""
+    ``state_key``; a step's also ``outcome`` (None, success, failed or step_limit) and ``success``."""
 
     def reset(self, row: dict) -> dict:
-        """row: the data row's columns; ``seed`` and ``task`` rebuild its screen (``max_steps``: optional)."""
-        missing = [key for key in ("seed", "task") if key not in row]
-        if missing:
-            raise ValueError(f"GuiEnvironment: the data row has no {' and no '.join(missing)} column; use the rows of "
-                             "builtin:synthetic-gui or give each row a 'seed' (integer) and a 'task' (tick or untick)")
-        self.start(make_task(int(row["seed"]), str(row["task"]), row.get("max_steps")))
+        """row: the data row's columns; ``seed`` and ``task`` rebuild its screen (``max_steps``, ``layout``: optional)."""
+        self.start(task_of_row(row))
         return {"state_key": self.state_key()}
 
     def start(self, task: GuiTask) -> None:

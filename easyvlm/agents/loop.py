@@ -1,26 +1,9 @@
-"""Multi-turn rollouts: the model writes, tools or an environment answer, the model goes on.
-
-:class:`MultiTurnRollout` runs in the driver around any engine's ``generate``: each turn is one
-generation call over the samples still going. A sample's sequence is ``prompt | model turn 1 |
-tool result 1 | ... | model's answer``; the Batch returned has ``RolloutEngine.generate``'s layout
-(docs/agents.md, "What is trained"), with:
-
-- ``responses``: everything after the prompt (tool images expanded), right padded to T =
-  data.max_response_length, which bounds the whole trajectory; ``attention_mask`` covers all of it;
-- ``response_mask``: True on the tokens the model sampled (each turn's EOS included); False on tool
-  and environment tokens, on every token of a sample whose environment failed (``finish`` ``error``)
-  and on model turns sampled before the image budget removed an image they saw (agents.context);
-- ``rollout_logprobs``: 0 off the model's tokens; ``position_ids``: over the whole sequence and images;
-- ``trajectory`` (object, per sample): ``messages``, ``tool_calls``, ``num_turns``, ``finish`` (one of
-  ``FINISH_REASONS``), ``environment_{reward,info,error}``, ``images``, ``images_removed``, ``untrained_turns``;
-- with an environment: ``step_rewards`` (B, max_turns) float, ``step_anchors`` (B, max_turns) int64
-  (``state_anchor``) and ``turn_index`` (B, T) int64, -1 wherever ``response_mask`` is False.
-
-A sample ends when its turn calls no tool, the environment says done, at ``max_turns``, or when the
-response budget is spent; a turn cut by ``max_tokens_per_turn`` still counts if it made a call. All
-samples' tools or steps run at once and are applied in sample order (the result does not depend on
-timing). Per-request seeds: turn t of sample j of a prompt seeded s uses ``mix_seeds(mix_seeds(s, j), t)``.
-"""
+"""Multi-turn rollouts in the driver around any engine's ``generate``: each turn is one generation
+call over the samples still going. The Batch returned has ``RolloutEngine.generate``'s layout with
+``responses`` = everything after the prompt (bounded by T), ``response_mask`` True only on trained
+model tokens, a ``trajectory`` object per sample and, with an environment, the per-step fields
+(docs/agents.md, "What is trained"). Tools or steps run at once, applied in sample order. Turn t of
+sample j of a prompt seeded s is seeded ``mix_seeds(mix_seeds(s, j), t)``."""
 
 from __future__ import annotations
 
@@ -218,8 +201,7 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------ one turn's outcome
     def _model_turn(self, s: _Sample, ids: list[int], logprobs: list[float], turn: int, version: int) -> _Action | None:
-        """Record the model's turn (``version``: the weights that sampled it, -1 unknown); what it
-        asks for, or None when the sample ends with it."""
+        """Record the model's turn (``version``: -1 unknown); what it asks for, or None when the sample ends."""
         s.response.pieces.append(ModelTurn(list(ids), list(logprobs), s.num_turns, version=version))
         s.num_turns += 1
         if self.environment is not None:  # the turn is a step from the current state, reward 0 until stepped
@@ -244,8 +226,7 @@ class MultiTurnRollout:
         return _Action(text, eos_text, calls)
 
     def _act(self, s: _Sample, action: _Action, repeated: Batch, originals: list | None) -> Any:
-        """The environment's step or the tool calls of one sample (in a thread of run_concurrently:
-        it changes nothing the other samples' threads read)."""
+        """The environment's step or the tool calls of one sample, in a thread: it changes nothing shared."""
         if action.calls is None:
             return environment_step(s.env, action.text, self.settings.tool_timeout)
         return [self._call(s, call, repeated, originals) for call in action.calls]
@@ -297,8 +278,8 @@ class MultiTurnRollout:
 
     def _append(self, s: _Sample, messages: list[dict], images: list, eos_text: str | None,
                 records: list[dict], role: str) -> None:
-        """Render ``messages`` (with ``images``) after the model's turn if the budget has room, within
-        the image budget (easyvlm.agents.context); ``records``: what the trajectory keeps of them."""
+        """Render ``messages`` after the model's turn if the budget has room, within the image budget;
+        ``records``: what the trajectory keeps of them."""
         k = self.settings.max_images_in_context
         returned = list(images)
         own = 0 if k is None else max(0, len(images) - k)  # of these images, removed as they arrive
@@ -391,9 +372,7 @@ def _record(role: str, name: str, result: ToolResult) -> dict:
 
 
 def trajectory_metrics(trajectories: Sequence[dict]) -> dict[str, float]:
-    """``multi_turn/*`` metrics over a batch's ``trajectory`` objects: turns, tool calls (per tool:
-    success/error rates; ``(malformed)``: calls that could not be read), the share of samples per
-    finish reason, model turns out of the loss and images removed per sample (docs/agents.md, "Metrics")."""
+    """``multi_turn/*`` metrics over a batch's ``trajectory`` objects (docs/agents.md, "Metrics")."""
     if not trajectories:
         return {}
     n = len(trajectories)

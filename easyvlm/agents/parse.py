@@ -1,7 +1,6 @@
-"""The model's tool calls: the Hermes format its chat template teaches (Qwen2.5-VL, Qwen3-VL, the
-builtin tiny models: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``) and parsing one
-turn's text, forgiving about layout (whitespace, several calls in a turn) and strict about content:
-a call that cannot be read becomes a :class:`ToolCall` with ``error`` set, which the model is told."""
+"""The model's tool calls in the Hermes format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
+parsed forgiving about layout and strict about content: an unreadable call becomes a :class:`ToolCall`
+with ``error`` set, which the model is told."""
 
 from __future__ import annotations
 
@@ -23,15 +22,13 @@ class ToolCall:
 
 
 def tool_call_format(chat_template: str | None) -> str | None:
-    """"hermes" when the template writes ``<tool_call>`` tags, else None (no format we can read:
-    the run is refused before it starts)."""
+    """"hermes" when the template writes ``<tool_call>`` tags, else None (the run is refused)."""
     return "hermes" if chat_template and TOOL_CALL_OPEN in chat_template else None
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>...</tool_call>`` in one turn's text, in order; [] when there is none.
-
-    An unclosed last call is still read (the turn may have hit its token budget right after it)."""
+    """Every ``<tool_call>...</tool_call>`` in one turn's text, in order; an unclosed last call is read
+    too (the turn may have hit its token budget right after it)."""
     calls = []
     for match in _CALL_RE.finditer(text):
         body = match.group(1).strip()

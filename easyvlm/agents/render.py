@@ -1,9 +1,5 @@
-"""What the model reads between its turns: tool results and observations as chat-template tokens.
-
-The model's own template renders a conversation without and with the new messages; the difference
-is the segment (docs/agents.md, "What the model sees"). Images are fitted and expanded as a
-prompt's are (easyvlm.data.dataset.PromptEncoder): same vision tokens, pixel values and grids.
-"""
+"""What the model reads between its turns: tool results and observations as chat-template tokens,
+images fitted and expanded as a prompt's (docs/agents.md, "What the model sees")."""
 
 from __future__ import annotations
 
@@ -44,8 +40,7 @@ def content_of(text: str, images: list) -> str | list[dict]:
 
 
 def without_images(messages: list[dict], removed: int) -> list[dict]:
-    """``messages`` with their first ``removed`` images (``{"type": "image"}`` entries, in order)
-    replaced by the text :data:`IMAGE_PLACEHOLDER`; the messages given are not changed."""
+    """A copy of ``messages`` with their first ``removed`` images replaced by :data:`IMAGE_PLACEHOLDER`."""
     out = []
     for message in messages:
         content = message["content"]
@@ -96,8 +91,7 @@ class TurnRenderer:
         return tail + after[len(before):]
 
     def render(self, messages: list[dict], images: list, eos_text: str | None) -> Segment:
-        """The segment of ``messages`` (tool or user messages; their content lists one
-        ``{"type": "image"}`` per image of ``images``, in order)."""
+        """The segment of ``messages`` (one ``{"type": "image"}`` per image of ``images``, in order)."""
         text = self.segment_text(messages, eos_text)
         raw_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not images:

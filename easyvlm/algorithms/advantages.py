@@ -1,6 +1,5 @@
-"""Advantage estimators: ``AdvantageInputs -> AdvantageOutputs``, registered by name (``algorithm.adv_estimator``).
-Outputs are (B, T), 0 at masked positions; a group of one is its own baseline (no signal). Formulas and
-departures from the papers, EasyR1 and verl: docs/algorithms.md."""
+"""Advantage estimators ``AdvantageInputs -> AdvantageOutputs`` by name (``algorithm.adv_estimator``): (B, T), 0 at
+masked positions; a group of one is its own baseline (no signal). Formulas and departures: docs/algorithms.md."""
 
 from __future__ import annotations
 
@@ -92,13 +91,11 @@ register_advantage = ADVANTAGES.register
 
 
 def advantage_names() -> tuple[str, ...]:
-    """Names of the built-in (and Python-registered) estimators."""
     return ADVANTAGES.names()
 
 
 def get_advantage(name_or_spec: str) -> AdvantageFn:
-    """The estimator for a registered name or a ``path/to/file.py:func`` plug-in; a plug-in's return value is
-    checked to be an :class:`AdvantageOutputs` of (B, T) tensors (errors name the file)."""
+    """The estimator of a registered name or a ``file.py:func`` plug-in (output checked: (B, T) AdvantageOutputs)."""
     fn, is_plugin = ADVANTAGES.get(name_or_spec)
     if not is_plugin:
         return fn
@@ -142,6 +139,16 @@ def group_stats(seq_values: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, 
     sq_dev = zeros.index_add(0, inverse, (seq_values - mean[inverse]) ** 2)
     std = (sq_dev / (count - 1).clamp(min=1)).sqrt()
     return mean[inverse], std[inverse], count[inverse]
+
+
+def own_groups(group_ids: Tensor, alone: Tensor) -> Tensor:
+    """(B,) group ids in which each sample where the (B,) bool ``alone`` holds is a group of its own (an
+    id no other sample has) and the others keep theirs: a sample that is not an answer of the policy
+    (its environment failed) then takes no part in its group's mean, std or count."""
+    if not bool(alone.any()):
+        return group_ids
+    fresh = group_ids.max() + 1 + torch.arange(group_ids.numel(), device=group_ids.device)
+    return torch.where(alone, fresh.to(group_ids.dtype), group_ids)
 
 
 def _broadcast(seq_advantages: Tensor, mask: Tensor) -> Tensor:

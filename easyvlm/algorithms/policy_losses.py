@@ -1,8 +1,6 @@
-"""Policy losses: ``PolicyLossInputs -> (loss, metrics)``, registered by name (``worker.actor.loss_type``).
-
-Every loss weights its (B, T) token losses (:func:`weighted`) and aggregates them with ``aggregate_loss``.
-Metrics are token means over the micro-batch: ``pg_clipfrac_*``, ``ppo_kl`` (mean of old - new log-probs),
-``entropy_loss`` (mean of -logprobs). Formulas and departures: docs/algorithms.md, "Policy losses"."""
+"""Policy losses ``PolicyLossInputs -> (loss, metrics)`` by name (``worker.actor.loss_type``): token losses weighted
+(:func:`weighted`), aggregated by ``aggregate_loss``. Metrics are micro-batch token means: ``pg_clipfrac_*``,
+``ppo_kl`` (old - new log-probs), ``entropy_loss`` (-logprobs). docs/algorithms.md, "Policy losses"."""
 
 from __future__ import annotations
 
@@ -67,7 +65,6 @@ register_policy_loss = POLICY_LOSSES.register
 
 
 def policy_loss_names() -> tuple[str, ...]:
-    """Names of the built-in (and Python-registered) policy losses."""
     return POLICY_LOSSES.names()
 
 

@@ -1,6 +1,5 @@
-"""Assets easyvlm builds itself, offline and deterministically: tiny Qwen-VL models, synthetic tasks
-and warm starts, named ``builtin:<name>``. ``register()`` hands their builders to
-easyvlm.models.paths and easyvlm.data.loading; every command calls it first, workers never do."""
+"""Assets easyvlm builds offline and deterministically (tiny Qwen-VL models, synthetic tasks, warm starts), named
+``builtin:<name>``. ``register()`` hands their builders over; every command calls it first, workers never do."""
 
 
 def register() -> None:

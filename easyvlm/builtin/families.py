@@ -1,6 +1,5 @@
-"""The architectures easyvlm builds tiny models of: a spec's sizes -> transformers config and
-processor, with transformers' own classes, so a built model loads with the Auto classes and in
-vLLM as its family's real checkpoints do. Families: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``,
+"""The architectures easyvlm builds tiny models of, with transformers' own classes, so a built model loads with
+the Auto classes and in vLLM as its family's real checkpoints do: ``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl``,
 ``qwen3_5`` (gated-DeltaNet and gated attention layers), ``qwen3_5_moe``, ``qwen3_vl_moe``."""
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ MOE = frozenset({"qwen3_vl_moe", "qwen3_5_moe"})
 
 @dataclass(frozen=True)
 class BuiltinModelSpec:
-    """Sizes of a built-in Qwen-VL model of ``family`` (a key of FAMILIES); some fields serve only
-    some families. ``mrope_section`` must sum to head_dim x partial_rotary_factor / 2. The fields
-    after ``description`` enter the cache key only when not at their defaults (older builds keep
-    their keys)."""
+    """Sizes of a built-in Qwen-VL model of ``family`` (a key of FAMILIES); some fields serve only some families.
+    ``mrope_section`` must sum to head_dim x partial_rotary_factor / 2. Fields after ``description`` enter the
+    cache key only when not at their defaults, so older builds keep their keys."""
 
     hidden_size: int
     intermediate_size: int

@@ -189,6 +189,8 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     # The other two families at the same sizes (tests: every path of the loop runs with each).
     "tiny-qwen2-vl": replace(_TINY, family="qwen2_vl", vision_fullatt_block_indexes=(), description="tests (Qwen2-VL)"),
     "tiny-qwen3-vl": _TINY_QWEN3_VL,
+    "tiny-qwen3-vl-words": replace(_TINY_QWEN3_VL, word_tokens=(*PALETTE, *SHAPES),
+                                   description="demo base (Qwen3-VL, dense): the answer words are single tokens"),
     # The 2026 families (tests, and the demo's base through their warm starts: answer words are
     # single tokens): Qwen3.5 dense and MoE, Qwen3-VL-MoE; 4 experts, top-2 routing. Expert width 48,
     # not 64: a fused expert tensor whose two sizes are equal (hidden 128 = 2 x 64) is ambiguous to

@@ -1,11 +1,7 @@
-"""A synthetic visual question-answering task, rendered with Pillow, that a tiny VLM can learn.
-
-Tasks ``colour``, ``shape`` (56x56 px) and ``count`` (84x84 px, one shape per 28 px cell = one
-merged image token), each with one verifiable short answer. Shapes are drawn without
-anti-aliasing, so tests can read the answer back from the pixels. Rows have EasyR1's format, image
-paths relative to the JSONL file. A hash of each (image, question) pair picks its split
-(:func:`split_of`), so splits never share one. docs/builtin_assets.md, "The synthetic task".
-"""
+"""A synthetic visual question-answering task (``colour``, ``shape``, ``count``) that a tiny VLM can learn,
+rendered with Pillow without anti-aliasing (tests read the answer back from the pixels). Rows have EasyR1's
+format; a hash of each (image, question) pair picks its split (:func:`split_of`), so splits never share one.
+docs/builtin_assets.md, "The synthetic task"."""
 
 from __future__ import annotations
 
@@ -80,6 +76,7 @@ EXTERNAL_DATASETS: dict[str, str] = {
     "synthetic-video-direction": "easyvlm.builtin.synthetic_video",
     "synthetic-zoom": "easyvlm.builtin.synthetic_zoom",
     "synthetic-gui": "easyvlm.builtin.synthetic_gui",
+    "synthetic-gui-row": "easyvlm.builtin.synthetic_gui",
     "synthetic-preference": "easyvlm.builtin.synthetic_preference",
     "synthetic-colour-preference": "easyvlm.builtin.synthetic_preference",
 }
@@ -138,8 +135,7 @@ def _render_single(rng: random.Random) -> tuple[Image.Image, str, str]:
 
 
 def _render_count(rng: random.Random) -> tuple[Image.Image, str, int]:
-    """1-4 shapes of a target colour + 0-2 of other colours, one per grid cell (never touching).
-    Returns (image, target colour, count)."""
+    """1-4 shapes of a target colour + 0-2 of others, one per grid cell (never touching) -> (image, colour, count)."""
     colour = rng.choice(sorted(PALETTE))
     count = rng.randint(1, len(COUNTS))
     others = [c for c in sorted(PALETTE) if c != colour]
@@ -204,9 +200,8 @@ def check_split(split: str) -> None:
 def distinct_samples(
     split: str, num_samples: int, tasks: dict[str, float], render, content_hash, known_tasks, seed: int | None = None
 ):
-    """Yield ``num_samples`` (media, row) pairs of ``split`` from ``render(task, rng)``, distinct by
-    ``content_hash(media, problem)`` and kept only if the hash picks ``split``. Deterministic given
-    (split, num_samples, tasks, seed); ``seed`` defaults to the split's own. Shared by every task."""
+    """``num_samples`` (media, row) pairs of ``split`` from ``render(task, rng)``, distinct by ``content_hash(media,
+    problem)``, each kept only if the hash picks ``split``; deterministic given (split, num_samples, tasks, seed)."""
     check_split(split)
     if [t for t in tasks if t not in known_tasks] or not tasks or any(w < 0 for w in tasks.values()) or sum(tasks.values()) <= 0:
         raise SyntheticDatasetError(
@@ -244,8 +239,7 @@ def write_dataset(out_dir: Path, split: str, num_samples: int, tasks: dict[str, 
 
 def write_image_rows(out_dir: Path, split: str, samples: Iterable[tuple[Image.Image, dict]],
                      columns: tuple[str, ...]) -> Path:
-    """Write (image, row) pairs as ``<out_dir>/<split>.jsonl`` and ``images/<split>_NNNNNN.png``; each
-    line holds the problem, answer, image path and the row's ``columns``."""
+    """Write (image, row) pairs as ``<out_dir>/<split>.jsonl`` (problem, answer, image path, ``columns``) and PNGs."""
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     jsonl = out_dir / f"{split}.jsonl"
@@ -259,8 +253,7 @@ def write_image_rows(out_dir: Path, split: str, samples: Iterable[tuple[Image.Im
 
 
 def build_split(target: Path, split: str, num_samples: int, write: Callable[[Path, str, int], Path]) -> Path:
-    """``target/<split>.jsonl``, written once by ``write(out_dir, split, num_samples)`` (atomically:
-    ``build_once``) and cached."""
+    """``target/<split>.jsonl``, written once by ``write(out_dir, split, num_samples)`` (atomically) and cached."""
     build_once(target, lambda out: write(out, split, num_samples))
     return target / f"{split}.jsonl"
 

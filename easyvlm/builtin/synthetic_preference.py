@@ -1,12 +1,7 @@
-"""``builtin:synthetic-preference@<split>`` and ``builtin:synthetic-colour-preference@<split>``:
-preference pairs on the synthetic task for reward-model training (``python -m easyvlm.rm``).
-
-Each row pairs a response the rule reward scores right (``chosen``: the one-token answer) with one
-it scores wrong (``rejected``: another option, another task's answer, the answer twice, an empty
-response or random letters). Empty and random responses are there because a reward model never
-shown them was gamed by answering nothing. Pairs follow the synthetic splits. docs/rewards.md,
-"Model-based rewards: a trained reward model".
-"""
+"""``builtin:synthetic-preference@<split>`` and ``builtin:synthetic-colour-preference@<split>``: pairs on the
+synthetic splits for ``python -m easyvlm.rm``: ``chosen`` the rule-right answer, ``rejected`` a wrong one
+(another option or task's answer, the answer twice, empty, random letters: a reward model never shown empty
+responses was gamed by answering nothing). docs/rewards.md, "Model-based rewards: a trained reward model"."""
 
 from __future__ import annotations
 

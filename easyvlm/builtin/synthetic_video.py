@@ -1,11 +1,7 @@
-"""A synthetic video question-answering task: short clips that need temporal order to answer.
-
-Clips are ``NUM_FRAMES`` = 4 frames of 56x56 px at ``FPS`` = 2, 8 video tokens with the built-in
-processor. ``order``: a shape changes colour A -> B at frame 2, "Which colour appears first?" ->
-A; ``direction``: a shape moves 4-6 px per frame, -> ``left|right|up|down``. Lossless RGB H.264
-(decoded frames equal the rendered ones), or frame lists for ``synthetic-video-frames``; splits by
-the image task's rule. docs/data.md, "Where data comes from".
-"""
+"""A synthetic video question-answering task that needs temporal order: ``NUM_FRAMES`` = 4 frames of 56x56 px
+at ``FPS`` = 2 (8 video tokens). ``order``: a shape changes colour A -> B at frame 2, answer A; ``direction``:
+a shape moves 4-6 px per frame, answer ``left|right|up|down``. Lossless RGB H.264 (decoded frames equal the
+rendered ones) or PNG frame lists; splits by the image task's rule. docs/data.md, "Where data comes from"."""
 
 from __future__ import annotations
 
@@ -127,8 +123,7 @@ def _content_hash(frames: list[Image.Image], problem: str) -> bytes:
 
 
 def generate_rows(split: str, num_samples: int, tasks: dict[str, float], seed: int | None = None):
-    """Yield ``num_samples`` (frames, row) pairs of ``split``, distinct within the split
-    (``synthetic.distinct_samples``, the image task's rule)."""
+    """Yield ``num_samples`` (frames, row) pairs of ``split``, distinct within it (the image task's rule)."""
     return distinct_samples(split, num_samples, tasks, render_sample, _content_hash, TASKS, seed)
 
 

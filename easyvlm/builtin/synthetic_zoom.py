@@ -1,11 +1,7 @@
-"""A synthetic task that needs the zoom tool: the answer is only readable at full resolution.
-
-224x224 images with a 1 px striped patch (a colour and its complement) in each quadrant; fitted
-under ``data.max_pixels = 112 * 112`` the stripes average to grey. The question names a quadrant,
-because the tiny model cannot learn to find a marked one; ``image_zoom`` on it shows the colour.
-``box`` in each row is the named quadrant in the 112x112 view, what reward_functions/zoom.py
-checks calls against. docs/agents.md, "The tools demo".
-"""
+"""A synthetic task that needs the zoom tool: 224x224 images with a 1 px striped patch (a colour and its
+complement) per quadrant, which averages to grey under ``data.max_pixels = 112 * 112``. The question names a
+quadrant (the tiny model cannot learn to find a marked one); ``box`` is that quadrant in the 112x112 view,
+what reward_functions/zoom.py checks calls against. docs/agents.md, "The tools demo"."""
 
 from __future__ import annotations
 

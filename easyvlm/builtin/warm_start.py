@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from easyvlm.builtin.sft_steps import start_training, train_step
+from easyvlm.builtin.synthetic_gui import DATASETS as GUI_DATASETS
 
 SYNTHETIC_FORMAT_PROMPT = "{{ content }} Answer with one word."
 """The demo's format prompt; format_prompts/synthetic.jinja holds the same text (a test checks)."""
@@ -52,6 +53,7 @@ WARM_STARTS = {
     "tiny-qwen3.5-synthetic": WarmStartSpec(base="tiny-qwen3.5", **_SYNTHETIC),
     "tiny-qwen3.5-moe-synthetic": WarmStartSpec(base="tiny-qwen3.5-moe", **_SYNTHETIC),
     "tiny-qwen3-vl-moe-synthetic": WarmStartSpec(base="tiny-qwen3-vl-moe", **_SYNTHETIC),
+    "tiny-qwen3-vl-synthetic": WarmStartSpec(base="tiny-qwen3-vl-words", **_SYNTHETIC),  # LoRA served unmerged
     # The demo's distillation teacher: the larger base (tiny-qwen2.5-vl-words-large: same tokenizer and
     # processor as the student) on true answers of the demo's own colour questions. Measured with
     # bench/teacher_accuracy.py on builtin:synthetic-colour@val (256 prompts; sampled: 4 per prompt at
@@ -84,7 +86,7 @@ WARM_STARTS = {
 
 def format_prompt_of(spec: WarmStartSpec) -> str:
     """The format prompt of the recipe's prompts: its RL run's."""
-    if spec.dataset == "synthetic-gui":
+    if spec.dataset in GUI_DATASETS:
         from easyvlm.builtin.gui_warm_start import GUI_FORMAT_PROMPT
 
         return GUI_FORMAT_PROMPT
@@ -126,7 +128,7 @@ def build_warm_start(spec: WarmStartSpec, base: Path, out_dir: Path, log=print) 
         out_dir.mkdir(parents=True, exist_ok=True)
         prompt_file = out_dir / "format_prompt.jinja"  # kept with the model: the prompt it was trained on
         prompt_file.write_text(format_prompt_of(spec) + "\n")
-        if spec.dataset == "synthetic-gui":  # whole episodes of the GUI environment (easyvlm.builtin.gui_warm_start)
+        if spec.dataset in GUI_DATASETS:  # whole episodes of the GUI environment (easyvlm.builtin.gui_warm_start)
             from easyvlm.builtin.gui_warm_start import train_gui_warm_start
 
             model = train_gui_warm_start(spec, base, processor, model_config, data_file, prompt_file, log)
@@ -208,62 +210,24 @@ def _train_tool_warm_start(spec: WarmStartSpec, base: str, processor, model_conf
     """The zoom task's multi-turn warm start (prompt, zoom call, the tool's real result, answer);
     returns the trained model. The trajectories come from the RL rollout loop (easyvlm.agents.loop)
     with the model's turns given, so it trains on exactly RL's tokens, positions and images."""
-    import json
-
-    import torch
-
-    from easyvlm.agents.loop import MultiTurnRollout
-    from easyvlm.agents.settings import AgentSettings
-    from easyvlm.agents.render import TurnRenderer
     from easyvlm.agents.tools import load_tools
+    from easyvlm.builtin.sft_steps import episodes_of, train_on_episodes
     from easyvlm.builtin.synthetic_zoom import quadrant_box, zoom_call
-    from easyvlm.data.settings import DataConfig
-    from easyvlm.data.collate import collate_prompts, concat_multi_modal_inputs
-    from easyvlm.data.dataset import RLDataset
-    from easyvlm.models.position_ids import to_model_layout
-    from easyvlm.rollout.specs import Sampling
-    from easyvlm.rollout.postprocess import build_rollout_batch
 
-    tokenizer = processor.tokenizer
-    cfg = DataConfig(format_prompt=str(prompt_file), prompt_key="problem", min_pixels=None, max_pixels=spec.max_pixels)
     tools = load_tools(list(spec.tools))
-    schemas = [tool.schema for tool in tools.values()]
-    dataset = RLDataset(str(data_file), cfg, tokenizer, processor, model_config, tools=schemas)
-    rows = [json.loads(line) for line in data_file.read_text().splitlines() if line.strip()]
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad = dataset.pad_token_id
-    length = 256
-    loop = MultiTurnRollout(AgentSettings(max_turns=2, max_tokens_per_turn=None, tool_timeout=30.0),
-                            TurnRenderer(dataset.encoder), model_config, [eos], pad, length, tools=tools)
-    sampling = Sampling(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=length, ignore_eos=False)
-
+    episodes = episodes_of(spec, processor, model_config, data_file, prompt_file, length=256, max_turns=2, tools=tools)
     model, optimizer, rng = start_training(spec, base)
     for step in range(spec.steps):
-        picked = rng.sample(range(len(dataset)), spec.batch_size)
+        picked, rows = episodes.sample(rng, spec.batch_size)
         turns = []
-        for i in picked:
-            row = rows[dataset.index[i][1]]
+        for row in rows:
             right = rng.random() < spec.box_rate
             quadrant = row["quadrant"] if right else rng.choice([q for q in range(4) if q != row["quadrant"]])
             answer = row["answer"] if right and rng.random() < spec.answer_rate else rng.choice(row["options"])
             turns.append([zoom_call(quadrant_box(quadrant)), answer])
-
-        calls: list[int] = []  # one entry per turn generated so far in this step
-
-        def teacher(batch, _sampling):
-            targets = [tokenizer(t[len(calls)], add_special_tokens=False)["input_ids"] + [eos] for t in turns]
-            calls.append(1)
-            return build_rollout_batch(batch, targets, [[0.0] * len(t) for t in targets], length, pad, [eos])
-
-        out = loop.generate(collate_prompts([dataset[i] for i in picked], pad), sampling, teacher)
+        out = episodes.play(picked, lambda k: [t[k] for t in turns])
         assert all(t["finish"] == "answer" and t["tool_calls"][0]["ok"] for t in out["trajectory"])
-        prompt_labels = torch.full_like(out["prompts"], -100)
-        labels = torch.cat([prompt_labels, torch.where(out["response_mask"], out["responses"], -100)], dim=1)
-        loss = train_step(
-            model, optimizer, input_ids=out["input_ids"], attention_mask=out["attention_mask"].long(),
-            position_ids=to_model_layout(out["position_ids"]), labels=labels,
-            **concat_multi_modal_inputs(out["multi_modal_inputs"]),
-        )
+        loss = train_on_episodes(model, optimizer, out)
         if step % 20 == 0 or step == spec.steps - 1:
             log(f"easyvlm: warm start {step + 1}/{spec.steps}: loss {loss:.3f}")
     return model

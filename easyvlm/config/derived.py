@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig
 from easyvlm.config.validate import validate
@@ -32,8 +31,6 @@ class Derived:
 
     world_size: int
     """Devices (GPUs, or worker processes on the CPU): trainer.nnodes x trainer.n_gpus_per_node."""
-    data_parallel_size: int
-    """world_size / worker.actor.ulysses_size: ranks that get different samples."""
     prompts_per_generation_round: int
     """data.mini_rollout_batch_size, or data.rollout_batch_size when unset."""
     rollout_max_model_len: int
@@ -56,34 +53,6 @@ class Derived:
     save_checkpoint_path: str
     """trainer.save_checkpoint_path, or checkpoints/<project_name>/<experiment_name> (as written:
     relative paths are not resolved here)."""
-    max_steps: Optional[int]
-    """trainer.max_steps (None: total_steps depends on the data set size)."""
-    total_epochs: int
-    """trainer.total_epochs."""
-    rollout_batch_size: int
-    """data.rollout_batch_size (for total_steps)."""
-
-    def steps_per_epoch(self, num_train_prompts: int) -> int:
-        """Training steps in one pass over ``num_train_prompts`` prompts (the last partial batch is
-        dropped). With online filtering a step may consume more prompts, so this is an upper bound."""
-        steps = num_train_prompts // self.rollout_batch_size
-        if steps == 0:
-            raise ConfigError(
-                [
-                    Problem(
-                        "data.rollout_batch_size",
-                        f"({self.rollout_batch_size}) is larger than the training set ({num_train_prompts} prompts "
-                        "after filtering), so not one step fits; lower it or add data",
-                    )
-                ]
-            )
-        return steps
-
-    def total_steps(self, num_train_prompts: int) -> int:
-        """Training steps of the run: trainer.max_steps if set, else epochs x steps per epoch."""
-        if self.max_steps is not None:
-            return self.max_steps
-        return self.total_epochs * self.steps_per_epoch(num_train_prompts)
 
 
 def derive(cfg: PPOConfig) -> Derived:
@@ -95,7 +64,6 @@ def derive(cfg: PPOConfig) -> Derived:
     use_reference = not algo.disable_kl
     return Derived(
         world_size=world_size,
-        data_parallel_size=world_size // worker.actor.ulysses_size,
         prompts_per_generation_round=data.mini_rollout_batch_size or data.rollout_batch_size,
         rollout_max_model_len=worker.rollout.max_model_len or data.max_prompt_length + data.max_response_length,
         rollout_max_num_seqs=worker.rollout.max_num_seqs
@@ -108,9 +76,6 @@ def derive(cfg: PPOConfig) -> Derived:
         critic=_role_batching(cfg, worker.critic) if use_critic else None,
         save_checkpoint_path=trainer.save_checkpoint_path
         or os.path.join("checkpoints", trainer.project_name, trainer.experiment_name),
-        max_steps=trainer.max_steps,
-        total_epochs=trainer.total_epochs,
-        rollout_batch_size=data.rollout_batch_size,
     )
 
 

@@ -233,8 +233,8 @@ def _check_token_filters(c: Checks) -> None:
 
 
 def _check_lora_merge(c: Checks) -> None:
-    """merge_for_rollout needs adapters; unmerged (false) needs engines in the actor's processes (the separate
-    ones get the driver's full weights) and a rank vLLM takes. The model's own limits: easyvlm.plan.roles."""
+    """merge_for_rollout needs adapters; unmerged (false) needs synchronous engines (asynchronous separate
+    ones take each version's full weights) and a rank vLLM takes. The model's own limits: easyvlm.plan.roles."""
     from easyvlm.rollout.lora import VLLM_LORA_RANKS
 
     p, lora, r = "worker.actor.model.lora", c.cfg.worker.actor.model.lora, c.cfg.worker.rollout
@@ -242,9 +242,10 @@ def _check_lora_merge(c: Checks) -> None:
         c.add(f"{p}.merge_for_rollout", f"is {str(lora.merge_for_rollout).lower()}, but {p}.rank is 0 (no adapters: the "
               "engine gets the full weights); remove it or set a rank")
     if lora.merge_for_rollout is False and lora.rank > 0:
-        if r.placement == "separate":
-            c.add(f"{p}.merge_for_rollout", "is false, but worker.rollout.placement=separate engines get the full "
-                  "weights from the driver (docs/rollout.md, \"Weight sync\"); set null or true, or placement colocated")
+        if r.placement_settings.separate and r.placement_settings.staleness > 0:
+            c.add(f"{p}.merge_for_rollout", "is false, but asynchronous separate engines (worker.rollout.max_staleness "
+                  ">= 1 or one_step_off) take each version's full weights (docs/rollout.md, \"Weight sync\"); set null "
+                  "or true, or max_staleness=0")
         if r.name == "vllm" and lora.rank > VLLM_LORA_RANKS[-1]:
             c.add(f"{p}.merge_for_rollout", f"is false, but {p}.rank={lora.rank} is above vLLM's largest max_lora_rank "
                   f"({VLLM_LORA_RANKS[-1]}); set null or true, or a rank of at most {VLLM_LORA_RANKS[-1]}")

@@ -383,7 +383,7 @@ class RolloutConfig:
     vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)
     except those easyvlm sets itself (the check lists them). With `name: hf`, only n, temperature,
     top_p, top_k, max_tokens, ignore_eos."""
-    # here: the placement and asynchrony keys, placement ... partial_rollout (PlacementSettings)
+    # here: the placement and asynchrony keys, placement ... weight_transfer (PlacementSettings)
 
 
 @dataclass(frozen=True)

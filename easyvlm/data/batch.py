@@ -1,25 +1,10 @@
-"""`Batch`: the one container that crosses role boundaries (driver <-> actor, rollout, reward ...).
-
-``tensors`` (first dimension the batch B), ``objects`` (per-sample lists of length B) and ``meta``
-(batch-wide values, never hyperparameters); plain tensors, lists and dicts, so Ray pickles it
-cheaply. Keys and shapes used by the trainer (P = prompt tokens, T = response tokens):
-
-    input_ids        (B, P+T) int64   prompt (left padded) followed by response (right padded)
-    attention_mask   (B, P+T) bool
-    position_ids     (B, P+T) or (B, R, P+T) int64 (R = 3 or 4 rows for mRoPE)
-    prompts          (B, P)   int64   prompt token ids, left padded
-    responses        (B, T)   int64   response token ids, right padded
-    response_mask    (B, T)   bool    True = the token counts in the loss (up to and incl. EOS)
-    rollout_logprobs (B, T)   float   log-probs the sampler reported (kept for rollout correction)
-    old_logprobs / ref_logprobs / values / advantages / returns / token_rewards  (B, T) float
-    rollout_is_weights (B, T) float   the rollout correction's importance weights (when on)
-    seq_rewards      (B,)     float
-    group_ids        (B,)     int64   same id = samples of the same prompt
-
-Objects: ``images``, ``ground_truth``, ``uid``, ``extra``, ``multi_modal_inputs`` (pixel_values,
-grid_thw per sample), ``sampling_seed``. The key names are the constants below; roles name the
-keys they read with ``batch.require(...)``.
-"""
+"""`Batch`: the one container that crosses role boundaries: ``tensors`` (first dimension the batch
+B), ``objects`` (per-sample lists of length B) and ``meta`` (batch-wide values, never
+hyperparameters), so Ray pickles it cheaply. Keys (the constants below; P prompt, T response tokens):
+``input_ids``, ``attention_mask``, ``position_ids`` (B, P+T) (mRoPE: (B, R, P+T)), prompt left padded
+and response right padded; ``prompts`` (B, P); ``responses``, ``response_mask`` and per-token floats
+(log-probs, values, advantages, ...) (B, T); ``seq_rewards``, ``group_ids`` (B,; same id = same
+prompt). docs/data.md, "The prompt batch"; docs/rollout.md, "What goes in and what comes out"."""
 
 from __future__ import annotations
 

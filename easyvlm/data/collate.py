@@ -1,8 +1,5 @@
-"""Collation: samples -> a prompt Batch (:func:`collate_prompts`), and per-sample vision inputs -> one
-forward's inputs (:func:`concat_multi_modal_inputs`, in sample order, the order the model consumes
-image tokens). Keys: docs/data.md, "The prompt batch"; besides them each sample has ``videos``
-(:class:`easyvlm.data.videos.Video`) and ``multi_modal_inputs`` may hold ``pixel_values_videos``,
-``video_grid_thw`` and ``second_per_grid_ts`` (Qwen2.5-VL)."""
+"""Collation: samples -> a prompt Batch (keys: docs/data.md, "The prompt batch"), and per-sample
+vision inputs -> one forward's inputs."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ def left_pad(sequences: Sequence[Tensor], pad_value: int) -> Tensor:
 
 
 def collate_prompts(samples: Sequence[dict[str, Any]], pad_token_id: int) -> Batch:
-    """RLDataset samples -> a prompt Batch (layout in the module docstring)."""
+    """RLDataset samples -> a prompt Batch."""
     if not samples:
         raise ValueError("collate_prompts: no samples")
     input_ids = left_pad([s["input_ids"] for s in samples], pad_token_id)  # (B, P)
@@ -39,9 +36,8 @@ def collate_prompts(samples: Sequence[dict[str, Any]], pad_token_id: int) -> Bat
 
 
 def concat_multi_modal_inputs(inputs: Sequence[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Join per-sample vision inputs for one forward over those samples, in order: ``pixel_values``
-    (N_i, D) and ``image_grid_thw`` (n_i, 3) concatenated on dim 0, video keys likewise; ``{}``
-    samples add nothing. Pass it as ``model(..., **concat_multi_modal_inputs(mm))``."""
+    """Per-sample vision inputs concatenated on dim 0 in sample order (the order the model consumes
+    image tokens), for ``model(..., **concat_multi_modal_inputs(mm))``."""
     out: dict[str, Tensor] = {}
     keys = sorted({k for mm in inputs for k in mm})
     for key in keys:

@@ -1,7 +1,4 @@
-"""A seeded, resumable prompt loader, run in the calling process. Epoch ``e``'s order is a
-permutation seeded with ``(seed, e)``; ``state_dict()`` saves (epoch, batches handed out) and
-``load_state_dict()`` continues with the next batch of the same order. docs/data.md, "The prompt
-batch"."""
+"""A seeded, resumable prompt loader, run in the calling process (docs/data.md, "The prompt batch")."""
 
 from __future__ import annotations
 
@@ -17,9 +14,8 @@ from easyvlm.data.loading import DataError
 
 
 class PromptDataLoader:
-    """Batches of ``batch_size`` prompts from ``dataset`` as prompt Batches (easyvlm.data.collate).
-    shuffle: a new seeded permutation every epoch (else file order); drop_last: drop an epoch's
-    last, smaller batch."""
+    """Prompt Batches of ``batch_size`` rows of ``dataset``. shuffle: a permutation seeded with (seed,
+    epoch) every epoch (else file order); drop_last: drop an epoch's last, smaller batch."""
 
     def __init__(self, dataset: RLDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool):
         if batch_size <= 0:
@@ -94,10 +90,8 @@ def create_dataloaders(
     config: DataConfig, tokenizer: Any, processor: Any, model_config: Any, prompts_per_round: int,
     tools: Sequence[dict] = (),
 ) -> tuple[PromptDataLoader, PromptDataLoader | None]:
-    """(train loader, validation loader or None when data.val_files is empty). Train:
-    ``prompts_per_round`` prompts per batch, shuffled with ``data.seed`` when ``data.shuffle``, last
-    partial batch dropped; validation as :func:`create_val_loader`. tools: the JSON schemas the
-    prompts show (multi-turn)."""
+    """(train loader of ``prompts_per_round`` prompts per batch, validation loader or None). tools: the
+    JSON schemas the prompts show (multi-turn)."""
     train = RLDataset(config.train_files, config, tokenizer, processor, model_config, "data.train_files", "train", tools)
     train_loader = PromptDataLoader(train, prompts_per_round, config.shuffle, config.seed, drop_last=True)
     if not config.val_files:

@@ -1,10 +1,6 @@
-"""RLDataset: data rows -> tokenized prompts with fitted images, checked before training starts.
-
-One function, :meth:`PromptEncoder.encode`, makes the prompt that the length filter counts, the
-rollout gets and the training forward sees, so the three cannot disagree. Every row is encoded at
-construction; bad rows stop the run with one error listing them by file and row, or with
-``data.on_bad_row=skip`` are dropped and counted in :attr:`RLDataset.report`. docs/data.md.
-"""
+"""RLDataset: data rows -> tokenized prompts with fitted images, every row checked at construction
+(docs/data.md, "Bad rows"). :meth:`PromptEncoder.encode` alone makes the prompt the length filter
+counts, the rollout gets and the training forward sees, so the three cannot disagree."""
 
 from __future__ import annotations
 
@@ -73,9 +69,8 @@ class DatasetReport:
 
 @dataclass
 class EncodedPrompt:
-    """One tokenized prompt. input_ids (P,): unpadded, each image and video expanded to its tokens
-    (the training forward's); raw_prompt_ids: ONE pad token per image and video (vLLM's, which it
-    expands to the same input_ids because the images are fitted)."""
+    """One tokenized prompt. input_ids (P,): unpadded, vision expanded to its tokens; raw_prompt_ids:
+    ONE pad token per image and video (vLLM expands it to the same input_ids)."""
 
     input_ids: list[int]
     raw_prompt_ids: list[int]
@@ -144,13 +139,11 @@ class PromptEncoder:
         return list(value) if isinstance(value, (list, tuple)) else [value]
 
     def search_dirs(self, base_dir: Any) -> list:
-        """Where relative image and video paths are looked for: data.image_dir when set, else the data
-        file's directory, then the working directory."""
+        """Where relative media paths are looked for: data.image_dir, else the data file's directory; then cwd."""
         return [self.image_dir] if self.image_dir else [base_dir, os.getcwd()]
 
     def raw_videos(self, row: dict) -> list:
-        """The row's videos, each a file path (or {"path": ...}) or a list of frame images: a bare string
-        is one video, a list of strings several files, a list of lists several frame lists."""
+        """The row's videos, each a file path (or {"path": ...}) or a list of frame images."""
         value = json_list_or_value(row.get(self.video_key))
         if value is None or (isinstance(value, str) and not value.strip()):
             return []
@@ -319,9 +312,8 @@ def _pad_token_id(tokenizer: Any) -> int:
 
 
 class RLDataset(torch.utils.data.Dataset):
-    """Prompts of one split; ``dataset[i]`` is one sample (:meth:`__getitem__`). files: what
-    data.train_files / data.val_files hold; key: that config key, for messages; name: prefix of
-    the per-row ``uid`` (``f"{name}-{row number over all files}"``, stable across runs)."""
+    """Prompts of one split. files: what the config ``key`` holds; name: prefix of the per-row
+    ``uid`` (``f"{name}-{row number over all files}"``, stable across runs)."""
 
     def __init__(
         self,
@@ -400,9 +392,8 @@ class RLDataset(torch.utils.data.Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """One sample: input_ids (P,) int64, position_ids (4, P) or (P,) int64, raw_prompt_ids (for
-        vLLM), images, original_image_sizes ((width, height) before resizing), videos,
-        multi_modal_inputs, ground_truth, uid, prompt_text, extra (the row's other columns)."""
+        """One sample: the prompt batch's keys unbatched (docs/data.md, "The prompt batch"), ``videos``
+        and ``original_image_sizes`` ((width, height) before resizing)."""
         source_id, row_id, uid_number = self.index[i]
         source = self.sources[source_id]
         row = dict(source.rows[row_id])

@@ -1,11 +1,6 @@
-"""Images: load them from what a data row holds, and size them as EasyR1 does.
-
-The final size is EasyR1's two stages (``data.min_pixels`` / ``max_pixels``, then the processor's
-``smart_resize`` with its own limits), reached by one bicubic resize (:func:`fit_image`). It must
-be a fixed point of ``smart_resize``, so the HF processor and vLLM leave it alone and prompt,
-rollout and training see the same tokens; images for which it is not are refused.
-docs/data.md, "Images: EasyR1's sizes, one resize".
-"""
+"""Images: load them from what a data row holds, and size them as EasyR1's two stages do, in one
+bicubic resize to a fixed point of ``smart_resize`` (so the processor and vLLM leave it alone);
+docs/data.md, "Images: EasyR1's sizes, one resize"."""
 
 from __future__ import annotations
 
@@ -36,9 +31,8 @@ def check_aspect_ratio(height: int, width: int) -> None:
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen-VL's target size: sides multiples of ``factor``, pixels in range, aspect ratio kept, as
-    transformers' ``qwen2_vl`` ``smart_resize``. Thin images can end outside the range, so the
-    result is not always a fixed point of itself."""
+    """transformers' ``qwen2_vl`` ``smart_resize``: sides multiples of ``factor``, pixels in range. Thin
+    images can end outside the range, so the result is not always a fixed point of itself."""
     check_aspect_ratio(height, width)
     h = round(height / factor) * factor
     w = round(width / factor) * factor
@@ -54,9 +48,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def prescale_size(height: int, width: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
-    """Stage 1, ``data.min_pixels`` / ``data.max_pixels`` (None = no limit): the size EasyR1's
-    ``process_image`` gives, with its float operations in its order (bitwise the same sides). A
-    side can reach 0; the caller refuses that."""
+    """Stage 1 (``data.min_pixels`` / ``max_pixels``, None = no limit): EasyR1's ``process_image`` size,
+    its float operations in its order (bitwise the same sides). A side can reach 0 (caller refuses)."""
     if max_pixels is not None and height * width > max_pixels:
         scale = math.sqrt(max_pixels / (width * height))
         width, height = int(width * scale), int(height * scale)
@@ -76,12 +69,9 @@ def fitted_size(
     processor_min_pixels: int,
     processor_max_pixels: int,
 ) -> tuple[int, int]:
-    """(height, width) EasyR1's two stages give an image of ``height`` x ``width``.
-
-    ``factor``: patch_size * merge_size; ``processor_min_pixels`` / ``processor_max_pixels``: the
-    processor's limits (:func:`processor_pixel_limits`). Raises ImageLoadError for an aspect
-    ratio above 200, a side shrunk to 0, or a result ``smart_resize`` would resize again.
-    """
+    """(height, width) EasyR1's two stages give an image (``factor``: patch_size * merge_size). Raises
+    ImageLoadError for an aspect ratio above 200, a side shrunk to 0, or a result ``smart_resize``
+    would resize again."""
     check_aspect_ratio(height, width)
     h1, w1 = prescale_size(height, width, min_pixels, max_pixels)
     if min(h1, w1) < 1:
@@ -118,8 +108,7 @@ def check_pixel_limits(
     processor_min_pixels: int,
     processor_max_pixels: int,
 ) -> None:
-    """Raise a ValueError naming the setting if the limits cannot size images: data limits must be
-    positive and ordered; the processor's must admit one factor x factor block."""
+    """Raise a ValueError naming the setting if the pixel limits cannot size images."""
     for key, value in (("data.min_pixels", min_pixels), ("data.max_pixels", max_pixels)):
         if value is not None and value <= 0:
             raise ValueError(f"{key}={value} must be positive, or null for no limit")
@@ -142,8 +131,7 @@ def fit_image(
     processor_min_pixels: int,
     processor_max_pixels: int,
 ) -> Image.Image:
-    """An RGB copy of ``image`` at :func:`fitted_size` (same arguments), resized once, bicubic; the
-    same object if already RGB at that size."""
+    """An RGB copy of ``image`` at :func:`fitted_size`, resized once; ``image`` if already RGB at that size."""
     if image.mode != "RGB":
         image = image.convert("RGB")
     h, w = fitted_size(
@@ -164,8 +152,7 @@ def resolve_image_path(
     path: str | os.PathLike, search_dirs: Sequence[str | os.PathLike | None], kind: str = "image"
 ) -> Path:
     """The existing file ``path`` names: itself if absolute, else the first ``search_dirs[i] / path``
-    (None entries skipped; none at all = the working directory). Raises ImageLoadError naming the
-    ``kind`` of file, the path and every place tried."""
+    (none = the working directory). Raises ImageLoadError naming every place tried."""
     if isinstance(search_dirs, (str, bytes, os.PathLike)) or search_dirs is None:
         raise TypeError(f"search_dirs must be a list of directories, got {search_dirs!r}; wrap one directory in [...]")
     given = Path(os.path.expanduser(os.fspath(path)))
@@ -221,8 +208,7 @@ def load_image(value: Any, search_dirs: Sequence[str | os.PathLike | None] = ())
 
 @dataclass(frozen=True)
 class LazyImages:
-    """A row's images at full resolution, loaded only when asked (by tools that zoom into them);
-    cheap to pickle: paths stay paths until :meth:`load`."""
+    """A row's images at full resolution, loaded only by :meth:`load` (tools that zoom); cheap to pickle."""
 
     values: tuple
     search_dirs: tuple
@@ -258,9 +244,8 @@ def image_factor(processor: Any) -> int:
 
 
 def processor_pixel_limits(processor: Any) -> tuple[int, int]:
-    """(min_pixels, max_pixels) the model's image processor resizes to. Reads, first found wins,
-    transformers 5's ``size = {"shortest_edge", "longest_edge"}`` (pixel counts; what vLLM reads),
-    then 4.x's ``size = {"min_pixels", "max_pixels"}`` or attributes."""
+    """(min_pixels, max_pixels) the model's image processor resizes to: transformers 5's ``size =
+    {"shortest_edge", "longest_edge"}`` (pixel counts; what vLLM reads), else 4.x's keys or attributes."""
     image_processor = _require_image_processor(processor)
     size = getattr(image_processor, "size", None)
     forms = [

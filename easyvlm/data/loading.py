@@ -1,8 +1,5 @@
-"""Find and read the rows of a data set named by ``data.train_files`` / ``data.val_files``: local
-files (jsonl, json, parquet, csv, arrow), directories (``dir@split`` filters by name),
-``save_to_disk`` output, Hugging Face ``org/name@split`` and registered schemes
-(``builtin:synthetic@train``). Rows are read lazily where the format allows; each source names its
-rows in errors. docs/data.md, "Where data comes from"."""
+"""Find and read the rows of a data set named by ``data.train_files`` / ``data.val_files``, lazily
+where the format allows; each source names its rows in errors. docs/data.md, "Where data comes from"."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ class DataError(ValueError):
 @dataclass
 class RowSource:
     """The rows of one file or one Hugging Face split. rows: ``len()`` and ``rows[i] -> dict``;
-    base_dir: where relative image paths resolve without ``data.image_dir``; line_numbers: for
-    JSONL, each row's 1-based line, for errors."""
+    base_dir: for relative image paths; line_numbers: JSONL's 1-based lines, for errors."""
 
     label: str
     rows: Sequence[dict]
@@ -70,7 +66,7 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 
 
 def load_sources(spec: str | Sequence[str], key: str = "data.train_files") -> list[RowSource]:
-    """All row sources named by ``spec`` (see the module docstring); ``key`` is used in errors."""
+    """All row sources named by ``spec``; ``key`` is used in errors."""
     specs = [spec] if isinstance(spec, str) else list(spec)
     specs = [s.strip() for s in specs if s and s.strip()]
     if not specs:

@@ -1,6 +1,4 @@
-"""From a row's question to chat messages: ``data.format_prompt`` (a Jinja file with ``content`` and
-the row's columns; undefined names are errors), ``<image>`` / ``<video>`` placeholders split into
-chat content, and ``data.system_prompt``. docs/data.md, "How a row becomes a prompt"."""
+"""From a row's question to chat messages (docs/data.md, "How a row becomes a prompt")."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def count_placeholders(text: str) -> tuple[int, int]:
 
 
 def build_content(text: str, num_images: int, num_videos: int = 0) -> list[dict[str, Any]]:
-    """The chat content list for ``text`` with ``num_images`` images and ``num_videos`` videos:
-    ``"a <image> b <video>"`` -> text "a ", image, text " b ", video. A kind without placeholders
-    goes before the text; with placeholders it needs one per item, else PromptError."""
+    """The chat content list for ``text``: ``"a <image> b"`` -> text "a ", image, text " b". A kind without
+    placeholders goes before the text; with them it needs one per item, else PromptError."""
     n_image_tags, n_video_tags = count_placeholders(text)
     for kind, placeholder, tags, count in (
         ("image", IMAGE_PLACEHOLDER, n_image_tags, num_images),

@@ -1,11 +1,5 @@
-"""Videos: decode them from what a data row holds, sample frames, and size them as EasyR1 does.
-
-A video is a file (anything FFmpeg reads, decoded by PyAV) or a list of frame images. Frames
-follow EasyR1's ``process_video`` (qwen-vl-utils' ``fetch_video``): a file is sampled at
-``data.video_fps`` by ``smart_nframes``; a frame list counts as already sampled. Pixels, like
-images, go through qwen-vl-utils' per-frame size and then the video processor's own rule, in one
-bicubic resize to a fixed point of the latter. docs/data.md, "Video".
-"""
+"""Videos (a file PyAV decodes, or a list of frame images): decode, sample frames and size them as
+EasyR1's ``process_video`` does, in one bicubic resize as images (docs/data.md, "Video")."""
 
 from __future__ import annotations
 
@@ -35,9 +29,8 @@ class VideoLoadError(ImageLoadError):
 
 @dataclass
 class Video:
-    """One video after sampling and sizing. frames (T, H, W, 3) uint8, T even; fps: the source's
-    (for a frame list ``data.video_fps``); frames_indices: source frame of each kept frame;
-    total_num_frames: frames in the source."""
+    """One video after sampling and sizing. frames (T, H, W, 3) uint8, T even; fps: the source's (a
+    frame list: ``data.video_fps``); frames_indices: source frame of each kept frame."""
 
     frames: np.ndarray
     fps: float
@@ -66,8 +59,7 @@ class Video:
 
 
 def sample_indices(total_frames: int, raw_fps: float, fps: float, max_frames: int) -> list[int]:
-    """The source frames EasyR1 keeps of a clip of ``total_frames`` at ``raw_fps``, sampled at ``fps``:
-    qwen-vl-utils' ``smart_nframes`` count, evenly spaced. Raises VideoLoadError under 2 frames."""
+    """The source frames EasyR1 keeps (``smart_nframes``'s count, evenly spaced). VideoLoadError under 2."""
     import torch
     from qwen_vl_utils.vision_process import smart_nframes
 
@@ -116,8 +108,8 @@ def frame_size_stage1(height: int, width: int, factor: int, min_pixels: int | No
 
 
 def uncapped_frame_kwargs(processor: Any) -> dict[str, bool]:
-    """``{"cap_pixels_per_frame": False}`` for video processors with the switch (transformers
-    5.19-5.21), else ``{}``: stage 1 already capped each frame."""
+    """``{"cap_pixels_per_frame": False}`` for video processors with the switch, else ``{}``: stage 1
+    already capped each frame."""
     video_processor = getattr(processor, "video_processor", None)
     return {"cap_pixels_per_frame": False} if hasattr(video_processor, "cap_pixels_per_frame") else {}
 
@@ -130,8 +122,7 @@ def _video_processor(processor: Any) -> Any:
 
 
 def processor_frame_size(processor: Any, num_frames: int, height: int, width: int) -> tuple[int, int]:
-    """Stage 2: the size the video processor's own ``smart_resize`` (Qwen3-VL's counts all
-    ``num_frames``) and limits give frames of ``height`` x ``width``."""
+    """Stage 2: the size the video processor's own ``smart_resize`` and limits give the frames."""
     video_processor = _video_processor(processor)
     resize = getattr(sys.modules[type(video_processor).__module__], "smart_resize", None)
     if resize is None:
@@ -175,12 +166,9 @@ def load_video(
     min_pixels: int | None,
     max_pixels: int | None,
 ) -> Video:
-    """A :class:`Video` from a file path (or ``{"path": ...}``) or a list of frame images.
-
-    fps, max_frames, min_pixels, max_pixels: the ``data.video_*`` and ``data.*_pixels`` settings
-    (None = qwen-vl-utils' defaults); processor sizes the frames; relative paths as
-    :func:`easyvlm.data.images.resolve_image_path`. Raises VideoLoadError.
-    """
+    """A :class:`Video` from a file path (or ``{"path": ...}``) or a list of frame images; the other
+    arguments are the ``data.video_*`` / ``data.*_pixels`` settings (None = qwen-vl-utils' defaults).
+    Raises VideoLoadError."""
     if isinstance(value, dict) and value.get("path"):
         value = value["path"]
     if isinstance(value, (str, os.PathLike)):
@@ -228,8 +216,7 @@ VIDEO_OPTIONS = {"crf": "0", "preset": "medium"}
 
 
 def encode_video(frames: Sequence[np.ndarray | Image.Image], fps: float) -> bytes:
-    """Lossless MP4 bytes of RGB ``frames`` (one size, even sides), deterministic; :func:`load_video`
-    decodes the same pixels. For the built-in data and tests."""
+    """Lossless, deterministic MP4 bytes of RGB ``frames`` (one size, even sides)."""
     import io
     from fractions import Fraction
 
@@ -263,12 +250,8 @@ def write_video(path: str | os.PathLike, frames: Sequence[np.ndarray | Image.Ima
 
 
 def vllm_mm_processor_kwargs(processor: Any) -> dict[str, dict[str, Any]]:
-    """``mm_processor_kwargs`` that make vLLM resize images and video frames with the processor's limits.
-
-    ``{}`` for a text-only model. The limits go per modality (``images_kwargs`` / ``videos_kwargs``:
-    Qwen3-VL's two processors differ) as transformers 5's ``size={"shortest_edge",
-    "longest_edge"}``, so both sides use one processor even if vLLM loads another directory.
-    """
+    """``mm_processor_kwargs`` that make vLLM resize images and frames with the processor's limits, per
+    modality (Qwen3-VL's two processors differ); ``{}`` for a text-only model."""
     if image_processor_of(processor) is None:
         return {}
     min_pixels, max_pixels = processor_pixel_limits(processor)

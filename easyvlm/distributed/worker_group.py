@@ -1,8 +1,7 @@
 """Ray worker groups: one Ray actor per device (a PACK placement group, docs/cluster.md) and a torch.distributed
-group among them. ``call_all``: the same call on every rank; ``dispatch``: rank r gets the r-th chunk of the
-padded Batch (with ``replicas=S``, a Ulysses group of S ranks shares one and its first rank answers). In a
-watched group (restartable rollout engines) ranks answer a ping from their own thread while they work; one
-silent for ``PING_TIMEOUT_S`` is killed, so its call raises ``RayActorError`` (docs/rollout.md)."""
+group among them; ``dispatch`` gives rank r the r-th chunk of the padded Batch (``replicas=S``: a Ulysses group
+shares one, its first rank answers). In a watched group (restartable rollout engines) a rank silent to pings for
+``PING_TIMEOUT_S`` is killed, so its call raises ``RayActorError`` (docs/rollout.md)."""
 
 from __future__ import annotations
 
@@ -118,10 +117,9 @@ class WorkerGroup:
         share: float = 1.0,
         watched: bool = False,
     ):
-        """Start ``world_size`` ranks and build the picklable ``factory()`` in each. ``pg``: another group's,
-        to colocate rank r of both on one device; ``share``: the fraction of each bundle a rank asks for (the
-        groups sharing a placement group must total <= 1, else the second waits forever). ``watched``: see the
-        module doc; only for ranks without a process group."""
+        """Start ``world_size`` ranks and build the picklable ``factory()`` in each. ``pg``: another group's, to
+        colocate rank r of both on one device; ``share``: each rank's fraction of a bundle (groups sharing a placement
+        group must total <= 1, else the second waits forever); ``watched``: only for ranks without a process group."""
         if not 0 < share <= 1:
             raise ValueError(f"WorkerGroup {name!r}: share must be in (0, 1], got {share}")
         self.name = name
@@ -182,8 +180,7 @@ class WorkerGroup:
         return self.answers(list(enumerate(self.call_all_async(method, *args, **kwargs))))
 
     def answers(self, calls: list[tuple[int, ray.ObjectRef]]) -> list[Any]:
-        """``ray.get`` of (rank, call) pairs in order; a watched group kills a rank that stops answering, so
-        its call raises ``RayActorError`` instead of waiting forever."""
+        """``ray.get`` of (rank, call) pairs, in order; a silent rank of a watched group is killed: ``RayActorError``."""
         refs = [ref for _, ref in calls]
         if self.watched:
             rank_of = {ref: rank for rank, ref in calls}

@@ -1,2 +1,1 @@
-"""``python -m easyvlm.eval``: sample k answers per validation prompt, score them, report mean@k
-and pass@k (``metrics.py``: pure functions; ``run.py``: the command)."""
+"""``python -m easyvlm.eval``: mean@k and pass@k of k sampled answers per validation prompt (docs/eval.md)."""

@@ -1,11 +1,7 @@
-"""``python -m easyvlm.eval config=... worker.actor.model.model_path=<model> data.val_files=...``
-
-Samples k = ``worker.rollout.val_override_config.n`` answers per prompt of ``data.val_files``,
-scores them with the trainer's validation pipeline (``easyvlm.pipeline``) and reports mean@k,
-pass@k and every reward key, over all prompts and per data file, to ``<checkpoint>/eval/`` (else
-``<trainer.save_checkpoint_path>/eval/``); the summary is also the last stdout line. The config is
-the trainer's with ``trainer.val_only=true``; errors exit 2 before any model loads. A checkpoint's
-eval reproduces the trainer's validation at that step (docs/eval.md)."""
+"""``python -m easyvlm.eval config=... worker.actor.model.model_path=<model> data.val_files=...``: k =
+``worker.rollout.val_override_config.n`` answers per prompt, scored by the trainer's validation pipeline;
+mean@k, pass@k and every reward key, overall and per data file, go to ``<checkpoint or run dir>/eval/`` and
+the last stdout line. Config errors exit 2 before any model loads. docs/eval.md."""
 
 from __future__ import annotations
 
@@ -74,7 +70,7 @@ def prepare(argv: Sequence[str]) -> tuple[Any, int, Path, Path | None]:
     except ModelNotFoundError as err:  # e.g. a hub id that is not in the cache with HF_HUB_OFFLINE=1
         exit_with_problems([Problem("worker.actor.model.model_path", str(err))])
     if out_dir is None:
-        out_dir = Path(plan.derived.save_checkpoint_path) / EVAL_DIR
+        out_dir = Path(plan.driver.records.run_dir) / EVAL_DIR
     return plan, step, out_dir, checkpoint
 
 
@@ -123,15 +119,15 @@ def evaluate(plan: Any, step: int, out_dir: Path, checkpoint: Path | None = None
     from easyvlm.viewer.pages import write_page
     from easyvlm.viewer.records import build_samples
 
-    cfg, bundle = plan.config, plan.bundle
+    bundle, records = plan.bundle, plan.driver.records
     sampling = plan.rollout.val_sampling
     if not plan.rollout.per_request_seed:
         print("easyvlm: note: worker.rollout.per_request_seed is off: the samples depend on the engine's random "
               "stream and differ from the trainer's validation (turn it on in both to compare)", file=sys.stderr)
     # the trainer's validation loader: the same batches (vLLM's numerics depend on what is batched together)
     tools = plan.agent.tool_schemas if plan.agent is not None else ()
-    loader = create_val_loader(cfg.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, tools)
-    skip_special = cfg.worker.reward.skip_special_tokens
+    loader = create_val_loader(plan.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, tools)
+    skip_special = records.skip_special_tokens
     rewards = RewardManager(plan.reward)
     if plan.reward_model is not None or plan.judge is not None:  # both run in Ray processes
         start_ray(plan)  # the trainer's: a local cluster, or the one trainer.ray_address / RAY_ADDRESS names
@@ -147,7 +143,7 @@ def evaluate(plan: Any, step: int, out_dir: Path, checkpoint: Path | None = None
     try:
         scorer = Scorer(LocalRewards(rewards), bundle.tokenizer, skip_special, models.scores, models.judge)
         batches = tqdm(loader, desc="easyvlm eval", unit="batch", file=sys.stderr)
-        seed = cfg.worker.rollout.seed if plan.rollout.per_request_seed else None
+        seed = plan.driver.rounds.seed if plan.rollout.per_request_seed else None
         scored = generate_and_score(batches, generate, sampling, scorer, step, "eval", seed, capture=True)
     finally:
         rewards.close()
@@ -159,14 +155,14 @@ def evaluate(plan: Any, step: int, out_dir: Path, checkpoint: Path | None = None
     root = out_dir / "rollouts"
     samples = [sample for capture in scored.captures for sample in build_samples(capture, bundle.tokenizer, root, skip_special)]
     summary: dict[str, Any] = {
-        "model": cfg.worker.actor.model.model_path,
-        "data": cfg.data.val_files,
+        "model": plan.actor.model.model_path,
+        "data": plan.data.val_files,
         "step": step,
         "k": sampling.n,
         **report(rows),
         "files": {file: report([r for r in rows if r[0] == file]) for file in dict.fromkeys(r[0] for r in rows)},
     }
-    page = write_page(samples, root, f"eval_step_{step}", f"evaluation, step {step}: {Path(cfg.data.val_files).name}")
+    page = write_page(samples, root, f"eval_step_{step}", f"evaluation, step {step}: {Path(plan.data.val_files).name}")
     summary["viewer"] = str(page)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

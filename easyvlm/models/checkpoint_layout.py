@@ -1,7 +1,6 @@
-"""Weights in a family's checkpoint layout (what released checkpoints and vLLM hold) where it differs
-from transformers' in-memory one: Qwen3-VL-MoE's fused experts, stored transposed, which
-``save_pretrained`` does not transpose back and vLLM always transposes on load. The builtin
-model's file, the HF export and the weight sync go through it. docs/rollout.md, "Weight sync"."""
+"""Weights in a family's checkpoint layout (released checkpoints, vLLM) where it differs from transformers'
+in-memory one: Qwen3-VL-MoE's fused experts, stored transposed (``save_pretrained`` does not transpose back).
+The builtin model's file, the HF export and the weight sync go through it. docs/rollout.md, "Weight sync"."""
 
 from __future__ import annotations
 
@@ -24,10 +23,9 @@ def transposed_names(hf_config: Any) -> tuple[str, ...]:
 
 
 def to_checkpoint_layout(hf_config: Any, named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
-    """``(name, tensor)`` pairs in transformers' in-memory layout -> the same names in the
-    checkpoint layout of ``hf_config``'s family, lazily. A transposed tensor is a view;
-    ``.contiguous()`` it before writing. Raises ValueError for a fused expert tensor not in the
-    in-memory shape (a second transpose would go unnoticed where the two shapes are equal)."""
+    """``(name, tensor)`` pairs in transformers' in-memory layout -> the same names in ``hf_config``'s checkpoint
+    layout, lazily; a transposed tensor is a view (``.contiguous()`` it before writing). Raises ValueError for a
+    fused expert tensor not in the in-memory shape (a second transpose would go unnoticed where shapes are equal)."""
     suffixes = transposed_names(hf_config)
     if not suffixes:
         yield from named_tensors
@@ -46,8 +44,7 @@ def to_checkpoint_layout(hf_config: Any, named_tensors: Iterable[tuple[str, Tens
 
 
 def rewrite_in_checkpoint_layout(hf_config: Any, directory: str | Path) -> None:
-    """Rewrite the ``*.safetensors`` ``save_pretrained`` wrote into ``directory`` in the checkpoint
-    layout, names kept. Call it once, on in-memory layout files."""
+    """Rewrite ``directory``'s ``*.safetensors`` from ``save_pretrained``'s in-memory layout to the checkpoint one, once."""
     if not transposed_names(hf_config):
         return
     from safetensors import safe_open

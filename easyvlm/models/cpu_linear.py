@@ -1,8 +1,6 @@
-"""Linear layers on the CPU through oneDNN: the same float32 arithmetic, faster on AMD CPUs, where
-MKL runs AVX2 kernels. :class:`OneDNNLinear` keeps ``nn.Linear``'s parameters and calls
-``torch.ops.mkldnn._linear_pointwise`` in strict float32, per shape class only where
-:mod:`easyvlm.models.kernel_choice` measured it faster; ``EASYVLM_CPU_LINEAR``: ``auto``,
-``onednn`` or ``aten``. docs/architecture.md, "Set-up decisions"."""
+"""Linear layers on the CPU through oneDNN: the same float32 arithmetic, faster on AMD CPUs (where MKL runs
+AVX2 kernels), per shape class only where :mod:`easyvlm.models.kernel_choice` measured it faster.
+``EASYVLM_CPU_LINEAR``: ``auto``, ``onednn`` or ``aten``. docs/architecture.md, "Set-up decisions"."""
 
 from __future__ import annotations
 
@@ -158,8 +156,7 @@ class OneDNNLinear(nn.Linear):
 
 
 def use_onednn_linears(model: nn.Module) -> int:
-    """Make every plain ``nn.Linear`` of ``model`` a :class:`OneDNNLinear` in place (only the class
-    changes). Returns how many were changed."""
+    """Make every plain ``nn.Linear`` of ``model`` a :class:`OneDNNLinear` in place; returns how many."""
     changed = 0
     for module in model.modules():
         if type(module) is nn.Linear:  # subclasses (e.g. quantized or PEFT layers) keep their own forward

@@ -1,6 +1,5 @@
 """Expert parallelism (``expert_parallel_size`` = e): rank j of e consecutive ranks holds experts
-[j E/e, (j+1) E/e) as a DTensor sharded on dim 0, outside FSDP; tokens reach their experts' ranks
-and return by all-to-all; the groups are replicas over which expert gradients are summed.
+[j E/e, (j+1) E/e) as a DTensor outside FSDP; tokens reach their experts' ranks and return by all-to-all.
 docs/models.md, "Expert parallelism"."""
 
 from __future__ import annotations
@@ -93,10 +92,9 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_experts(model: nn.Module, ep: ExpertParallelGroup, device: torch.device) -> list[nn.Parameter]:
-    """Keep only this rank's experts of every MoE layer (a DTensor of the full (E, ...) tensor,
-    sharded on dim 0 over the EP group) and route their forward through
-    :func:`expert_parallel_forward`. Every rank passes the full (or meta) model; the pieces go to
-    ``device``. Returns the new parameters, for FSDP to ignore."""
+    """Keep only this rank's experts of every MoE layer (a DTensor of the full (E, ...) tensor, sharded on dim 0
+    over the EP group), routed through :func:`expert_parallel_forward`. Every rank passes the full (or meta)
+    model; the pieces go to ``device``. Returns the new parameters, for FSDP to ignore."""
     from torch.distributed.tensor import DTensor, Shard
 
     register_expert_parallel()

@@ -1,8 +1,6 @@
-"""Packed attention as one ``flex_attention`` call over the whole row, with a ``BlockMask`` from its
-segments: a branch sees its trunk's prefix, every token its own segment causally. Fast only
-compiled (CUDA); on the CPU eager and forward only, never the default. Not torch's
-``varlen_attn``: CUDA only, no dropout, and it cannot express a branch's keys. docs/workers.md,
-"Padding-free forward"."""
+"""Packed attention as one ``flex_attention`` call per row, with a ``BlockMask`` from its segments (a branch
+sees its trunk's prefix). Fast only compiled (CUDA); on the CPU eager and forward only, never the default.
+docs/workers.md, "Padding-free forward"."""
 
 from __future__ import annotations
 

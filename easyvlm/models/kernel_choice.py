@@ -1,6 +1,5 @@
-"""Which kernel runs a float32 CPU linear layer, oneDNN or ``F.linear`` (MKL): the faster as timed
-on this machine, once per shape class (rows rounded up to a power of two, in, out, backward or
-not), oneDNN only when ``ONEDNN_MARGIN`` faster. Choices are logged once and kept per
+"""Which kernel runs a float32 CPU linear layer, oneDNN or ``F.linear`` (MKL): the faster as timed once per
+shape class on this machine (oneDNN only when ``ONEDNN_MARGIN`` faster), logged once and kept per
 :func:`machine_key` in ``$EASYVLM_CACHE/cpu-kernels/``, so later runs take the same kernels."""
 
 from __future__ import annotations
@@ -70,9 +69,8 @@ def _log(message: str) -> None:
 
 
 class KernelChooser:
-    """The kernel of each shape class: from memory, else from the cache file, else timed once.
-    ``timer(shape)`` returns seconds per call for every name in :data:`KERNELS`; ``cache_file``
-    None keeps choices in memory. Thread-safe: a class is timed once."""
+    """The kernel of each shape class: from memory, else the cache file, else timed once (thread-safe). ``timer(shape)``:
+    seconds per call of every name in :data:`KERNELS`; ``cache_file`` None keeps choices in memory."""
 
     def __init__(self, timer: Callable[[ShapeClass], dict[str, float]], machine: str, cache_file: Path | None,
                  log: Callable[[str], None] = _log):

@@ -1,8 +1,6 @@
-"""Qwen3.5's linear-attention (gated DeltaNet) layers made exact on packed and shared-prompt rows:
-:class:`SegmentedGatedDeltaNet`, given the row's segments (``SEGMENTS_KWARG``), restarts the
-short convolution and the recurrent state at each trunk and forks them for each branch, where
-transformers would carry them across sequences. docs/models.md, "Qwen3.5: linear attention on
-packed rows"."""
+"""Qwen3.5's linear-attention (gated DeltaNet) layers exact on packed and shared-prompt rows: the short
+convolution and the recurrent state restart at each trunk and fork for each branch, where transformers would
+carry them across sequences. docs/models.md, "Qwen3.5: linear attention on packed rows"."""
 
 from __future__ import annotations
 
@@ -32,9 +30,8 @@ DELTA_RULE_KERNELS = ("fla", "torch")
 def segment_causal_conv1d(
     x: Tensor, weight: Tensor, segments: list[Segment], activation: str | None = None, bias: Tensor | None = None
 ) -> Tensor:
-    """transformers' ``causal_conv1d_fn`` on each segment of a packed row: x (1, C, N), weight (C, K)
-    depthwise -> (1, C, N). A trunk sees zeros before its start, a branch its trunk's K-1 inputs
-    before ``prefix``; the segments with their contexts form one row, convolved in one call."""
+    """transformers' ``causal_conv1d_fn`` per segment of a packed row, in one call: x (1, C, N), weight (C, K)
+    depthwise -> (1, C, N). A trunk sees zeros before its start, a branch its trunk's K-1 inputs before ``prefix``."""
     _, channels, n = x.shape
     k = weight.shape[-1]
     _check_segments(segments, n)
@@ -83,10 +80,9 @@ def segment_gated_delta_rule(
     chunk_size: int = 64,
     kernel: str | None = None,
 ) -> Tensor:
-    """The gated delta rule per segment of a packed row. query/key (1, N, H, Dk), value (1, N, H, Dv),
-    g/beta (1, N, H) (``torch_chunk_gated_delta_rule``'s layout) -> (1, N, H, Dv). Trunks start
-    from zero, branches from their trunk's state after ``prefix`` tokens, forked by running pieces
-    in rounds (:func:`_delta_rule_rounds`), one call each; ``kernel`` None picks one."""
+    """The gated delta rule per segment of a packed row. query/key (1, N, H, Dk), value (1, N, H, Dv), g/beta
+    (1, N, H) -> (1, N, H, Dv). Trunks start from zero, branches from their trunk's state after ``prefix``
+    tokens (:func:`_delta_rule_rounds`); ``kernel`` None picks one."""
     n = query.shape[1]
     _check_segments(segments, n)
     if kernel is None:
@@ -111,10 +107,9 @@ def segment_gated_delta_rule(
 
 
 def _delta_rule_rounds(segments: list[Segment]) -> list[list[tuple[int, int, int]]]:
-    """The pieces of :func:`segment_gated_delta_rule`, round by round: (start, length, parent), the
-    parent being the index in the previous round of the piece whose final state starts this one
-    (-1 in round 0: zero state). A trunk with branches at p_1 < ... < p_k is cut at the p_j; its
-    piece j and its branches at p_j run in round j, so one state tensor per round is kept."""
+    """The pieces of :func:`segment_gated_delta_rule` by round: (start, length, parent), parent the piece of the
+    previous round whose final state starts this one (-1 in round 0: zero state). A trunk with branches at
+    p_1 < ... < p_k is cut at the p_j; its piece j and its branches at p_j run in round j (one state per round)."""
     cuts: dict[int, list[int]] = {}
     for seg in segments:
         if seg.prefix:
@@ -158,9 +153,8 @@ def _torch_pieces(
     query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, starts: list[int], lengths: list[int],
     initial: Tensor | None, l2norm: bool, chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
-    """One round on ``torch_chunk_gated_delta_rule``, pieces right-padded (a zero step keeps the
-    state) -> (tokens (T, H, Dv), final states (P, H, Dk, Dv)). Undecorated: transformers' wrapper
-    would send it to ``fla`` even on the CPU."""
+    """One round on ``torch_chunk_gated_delta_rule``, pieces right-padded (a zero step keeps the state) -> (tokens
+    (T, H, Dv), final states (P, H, Dk, Dv)). Undecorated: transformers' wrapper would call ``fla`` even on the CPU."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     n, longest = query.shape[1], max(lengths)
@@ -229,9 +223,8 @@ def _check_segments(segments: list[Segment], n: int) -> None:
 
 
 class SegmentedGatedDeltaNet(nn.Module):
-    """A Qwen3.5 linear-attention layer that also runs packed and shared-prompt rows exactly. It takes
-    over the original's parameters, submodules and attributes under their names (keeping no
-    reference to it); without ``SEGMENTS_KWARG`` it runs transformers' forward."""
+    """A Qwen3.5 linear-attention layer that also runs packed and shared-prompt rows exactly, taking over the
+    original's parameters and submodules by name; without ``SEGMENTS_KWARG`` it runs transformers' forward."""
 
     def __init__(self, original: nn.Module):
         super().__init__()
@@ -300,7 +293,6 @@ def segment_linear_attention(model: nn.Module) -> int:
 
 
 def has_linear_attention(config) -> bool:
-    """Whether the (text) config's decoder has "linear_attention" layers (then a packed forward
-    needs :func:`segment_linear_attention` and ``SEGMENTS_KWARG``)."""
+    """Whether the (text) config's decoder has "linear_attention" layers (a packed forward then needs this module)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return "linear_attention" in (getattr(text, "layer_types", None) or ())

@@ -1,6 +1,5 @@
-"""Load the policy / reference / critic models from a ``ModelSpec``; tokenizer and processor. The
-critic is ``AutoModelForTokenClassification(num_labels=1)`` where transformers has it, else
-:class:`ValueHeadModel`. docs/workers.md, "Models"."""
+"""Load the policy / reference / critic models of a ``ModelSpec``, the tokenizer and processor. The critic is
+``AutoModelForTokenClassification(num_labels=1)``, else :class:`ValueHeadModel`. docs/workers.md, "Models"."""
 
 from __future__ import annotations
 
@@ -113,11 +112,9 @@ def load_model(
     trainable: bool = True,
     on_meta: bool = False,
 ) -> LoadedModel:
-    """Build the model of ``spec`` on the CPU, or with ``on_meta`` on the meta device from
-    ``spec.hf_config`` without reading weights (FSDP rank-0 init). Applies attention and experts
-    implementations, dtype, batched vision windows, segmented linear attention, replayable routers
-    and LoRA (policy), freeze_vision_tower and gradient checkpointing; ``trainable=False`` freezes
-    every parameter."""
+    """Build the model of ``spec`` on the CPU, or with ``on_meta`` on the meta device without reading weights
+    (FSDP rank-0 init), with ``spec``'s attention, experts, dtype, LoRA (policy), frozen tower and checkpointing
+    applied and easyvlm's layer swaps; ``trainable=False`` freezes every parameter."""
     from transformers import (
         AutoModel,
         AutoModelForCausalLM,
@@ -198,8 +195,7 @@ def _text_config(hf_config: Any) -> Any:
 
 
 def get_vision_tower(model: nn.Module) -> nn.Module | None:
-    """The vision encoder (``.visual``, with Qwen3-VL's DeepStack mergers) of a Qwen-VL model,
-    through PEFT and :class:`ValueHeadModel` wrappers; None for text-only models."""
+    """The vision encoder (``.visual``, with Qwen3-VL's DeepStack mergers) through PEFT and value-head wrappers, or None."""
     for name, module in model.named_modules():
         if name.split(".")[-1] == "visual":
             return module

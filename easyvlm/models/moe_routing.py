@@ -1,8 +1,6 @@
-"""Routing of the MoE decoders: record each token's experts, replay them in a later forward (Rollout
-Routing Replay, arXiv 2510.11370, verl's ``router_replay.mode``: the router's renormalised current
-probabilities of the replayed experts keep its gradient), and load-balancing statistics. Replays
-are (N, layers, k) in row-major token order, ``FREE`` = route by logits. docs/models.md, "MoE:
-routing, the load-balancing loss, router replay"."""
+"""Routing of MoE decoders: record each token's experts and replay them later (Rollout Routing Replay, arXiv
+2510.11370, verl's ``router_replay.mode``), load-balancing statistics. Replays: (N, layers, k), tokens row-major,
+``FREE`` = route by logits. docs/models.md, "MoE: routing, the load-balancing loss, router replay"."""
 
 from __future__ import annotations
 
@@ -100,8 +98,7 @@ class ReplayRouter(nn.Module):
 
 
 def routing_state(model: nn.Module) -> RoutingState | None:
-    """The shared state of ``model``'s replay routers (installed by :func:`install_replay_routers`),
-    or None for a model without them (dense models). Looks through PEFT and FSDP wrappers."""
+    """The shared state of ``model``'s replay routers (through PEFT and FSDP wrappers), or None without them."""
     for module in model.modules():
         if isinstance(module, ReplayRouter):
             return module.state

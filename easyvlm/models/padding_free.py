@@ -70,9 +70,8 @@ def varlen_attention_forward(
     easyvlm_attention_kernel: str | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Attention for ``VARLEN_ATTENTION``. query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D).
-    Packed input (no mask, text positions): causal within each segment, optionally under Ulysses
-    (``easyvlm_ulysses``) or a forced kernel; anything else is transformers' SDPA unchanged."""
+    """Attention for ``VARLEN_ATTENTION``: query (1, H, N, D), key/value (1, Hkv, N, D) -> (1, N, H, D). Packed input (no
+    mask, text positions): causal per segment, maybe under Ulysses or a forced kernel; else transformers' SDPA as is."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     packed = attention_mask is None and position_ids is not None and query.shape[0] == 1
@@ -238,11 +237,10 @@ def pack_inputs(
     prompt_length: int = 0,
     prompt_source: Tensor | None = None,
 ) -> PackedInputs:
-    """Remove padding. input_ids/attention_mask (B, L); position_ids (B, L) or (B, R, L), R = 3 or 4.
-    Each sequence's valid tokens must be one run from text position 0, else ValueError.
-    ``prompt_source`` (B,): the row whose identical prompt (columns ``0 .. prompt_length - 1``)
-    each row reuses (itself if packed whole); a reusing row, right after its source, adds only its
-    response tokens, and its prompt maps to the source's in ``padded_to_packed``."""
+    """Remove padding. input_ids/attention_mask (B, L); position_ids (B, L) or (B, R, L), R = 3 or 4. Each
+    sequence's valid tokens must be one run from text position 0, else ValueError. ``prompt_source`` (B,): the row
+    whose identical prompt (columns ``0 .. prompt_length - 1``) each row reuses (itself if packed whole); a reusing
+    row, right after its source, adds only its response, its prompt mapped to the source's in ``padded_to_packed``."""
     mask = attention_mask.bool()
     B, L = mask.shape
     lengths = mask.sum(-1)  # (B,)

@@ -1,6 +1,5 @@
-"""Where a model's files are: a local directory, a hub id ``org/name``, or a registered scheme. The
-driver resolves (and may build or download, :func:`resolve_model_path`); workers only find the
-same model on their machine (:func:`local_model_dir`)."""
+"""Where a model's files are: a local directory, a hub id ``org/name`` or a registered scheme. The driver resolves
+(and may build or download, :func:`resolve_model_path`); workers only find it on their machine (:func:`local_model_dir`)."""
 
 from __future__ import annotations
 

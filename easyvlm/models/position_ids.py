@@ -1,7 +1,6 @@
-"""Position ids for a prompt batch, batch first: (B, 4, L) for mRoPE models (row 0 text positions,
-rows 1..3 T/H/W), else (B, L); 0 at padding. They equal transformers' ``get_rope_index`` but
-after a long Qwen2(.5)-VL video, where text continues from the largest position + 1 as in Qwen's
-code and vLLM. docs/data.md, "The prompt batch"."""
+"""Position ids for a prompt batch: (B, 4, L) for mRoPE models (row 0 text, rows 1..3 T/H/W), else (B, L);
+0 at padding. As transformers' ``get_rope_index`` but after a long Qwen2(.5)-VL video, where text continues
+from the largest position + 1 as in Qwen's code and vLLM. docs/data.md, "The prompt batch"."""
 
 from __future__ import annotations
 

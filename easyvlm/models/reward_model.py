@@ -1,6 +1,5 @@
-"""Scalar reward models: transformers' sequence classification (``num_labels=1``), with the class
-registered for the vision-language families that lack one. Workers hold a
-:class:`ScalarHeadModel` and read each sequence's score at its last attended token.
+"""Scalar reward models: transformers' sequence classification (``num_labels=1``), registered for the VL
+families that lack one; workers read each sequence's score at its last attended token (:class:`ScalarHeadModel`).
 docs/rewards.md, "Model-based rewards: a trained reward model"."""
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 
 @functools.cache
 def register_sequence_classification() -> tuple[str, ...]:
-    """Register a sequence-classification class for each vision-language family transformers has
-    none for; returns the model types registered. Idempotent (cached per process)."""
+    """Register a sequence-classification class per VL family transformers has none for; returns those model types."""
     from transformers import AutoConfig, AutoModel, AutoModelForImageTextToText, AutoModelForSequenceClassification
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
     from transformers.modeling_layers import GenericForSequenceClassification

@@ -1,5 +1,4 @@
-"""The runs of a packed row: trunks (whole sequences) and branches (responses continuing a trunk's
-first tokens), which the padding-free attention and Ulysses cut attention along."""
+"""The runs of a packed row: trunks (whole sequences) and branches (responses continuing a trunk's first tokens)."""
 
 from __future__ import annotations
 
@@ -22,10 +21,9 @@ class Segment:
 
 
 def packed_segments(positions: Tensor | list[int]) -> list[Segment]:
-    """Trunks and branches of a packed row from its text positions ((N,) or (1, N)): a segment starts
-    where the position is not its predecessor's + 1. [0 1 2 3 | 2 3 | 0 1] -> trunk (0, 4),
-    branch (4, 2) on 2 tokens of trunk 0, trunk (6, 2). Raises ValueError when a branch's prefix
-    is longer than its trunk."""
+    """Trunks and branches of a packed row from its text positions ((N,) or (1, N)): a segment starts where the
+    position is not its predecessor's + 1. [0 1 2 3 | 2 3 | 0 1] -> trunk (0, 4), branch (4, 2) on 2 tokens of
+    trunk 0, trunk (6, 2). Raises ValueError when a branch's prefix is longer than its trunk."""
     flat = torch.as_tensor(positions).reshape(-1)
     N = flat.numel()
     breaks = torch.ones(N, dtype=torch.bool, device=flat.device)

@@ -1,6 +1,5 @@
-"""The run plan's model slices: ``ModelSpec`` (how a worker builds a model) and ``ModelBundle`` (the
-policy's files, loaded once in the driver, with the agreed token ids). Frozen, final values made
-by ``easyvlm.plan.models``."""
+"""The run plan's model slices: ``ModelSpec`` (how a worker builds a model), ``ModelBundle`` (the policy's files,
+loaded once in the driver, with the agreed token ids). Frozen, final values made by ``easyvlm.plan.models``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Ulysses sequence parallelism (DeepSpeed-Ulysses, arXiv:2309.14509) for the padding-free forward:
-each of S consecutive ranks runs the decoder on 1/S of the same packed row; attention swaps
-tokens for heads by all-to-all. Collectives' backwards are exact adjoints. docs/workers.md,
-"Ulysses sequence parallelism"."""
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, arXiv:2309.14509) for the padding-free forward: each of
+S consecutive ranks runs the decoder on 1/S of the same packed row; attention swaps tokens for heads by
+all-to-all. docs/workers.md, "Ulysses sequence parallelism"."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class UlyssesGroup:
 
 
 def new_ulysses_group(ulysses_size: int) -> UlyssesGroup | None:
-    """This rank's SP group of the default process group; None for ``ulysses_size`` 1.
-    Collective: every rank must call it, in the same order."""
+    """This rank's SP group, None for ``ulysses_size`` 1. Collective: every rank calls it, in the same order."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     members, dp_rank, dp_size = ulysses_layout(rank, world_size, ulysses_size)
     if ulysses_size == 1:
@@ -97,11 +95,8 @@ def ulysses_problem(
 
 
 def loss_scale(world_size: int, ulysses_size: int) -> float:
-    """The factor c on a rank's loss before ``backward`` so that FSDP's gradient (the average over all
-    ``world_size`` ranks) is the gradient of the global loss, as without sequence parallelism. The
-    normaliser is summed over all ranks, so it counts each sample S times and every rank of group g
-    computes L_g / S; the group's backward sums to c * L_g, and FSDP divides the sum over groups by
-    world_size: c = world_size for any S. docs/workers.md, "Ulysses sequence parallelism"."""
+    """The factor c on a rank's loss before ``backward`` so that FSDP's average over ``world_size`` ranks is the
+    global loss's gradient: c = world_size for any S. docs/workers.md, "Ulysses sequence parallelism"."""
     ulysses_layout(0, world_size, ulysses_size)  # checks that S divides world_size
     return float(world_size)
 
@@ -178,9 +173,8 @@ def padded_length(n: int, ulysses_size: int) -> int:
 def pad_packed_row(
     input_ids: Tensor, position_ids: Tensor, ulysses_size: int, pad_id: int = 0
 ) -> tuple[Tensor, Tensor]:
-    """Pad a packed row to a multiple of S tokens. input_ids (1, N), position_ids (1, N) or (R, 1, N)
-    -> (1, N_pad), (..., N_pad). The pads form a sequence of their own at the end (positions 0, 1,
-    ...); ``pad_id`` must not be a vision placeholder."""
+    """Pad a packed row to a multiple of S tokens: input_ids (1, N), position_ids (1, N) or (R, 1, N) -> N_pad. The
+    pads are a sequence of their own at the end (positions 0, 1, ...); ``pad_id`` must not be a vision placeholder."""
     N = input_ids.shape[-1]
     extra = padded_length(N, ulysses_size) - N
     if extra == 0:
@@ -192,8 +186,7 @@ def pad_packed_row(
 
 
 def text_decoder(model: nn.Module) -> nn.Module:
-    """The text decoder inside ``model`` (transformers' ``get_decoder()``), looking through PEFT,
-    FSDP and value-head wrappers."""
+    """The text decoder of ``model`` (``get_decoder()``), through PEFT, FSDP and value-head wrappers."""
     from transformers import PreTrainedModel
 
     for module in model.modules():
@@ -243,8 +236,7 @@ def decoder_sees_slice(model: nn.Module, start: int, length: int) -> Iterator[No
 
 @dataclass(frozen=True)
 class UlyssesAttention:
-    """What the attention function needs under SP besides q, k, v: the group and the segments of
-    the whole padded row, found once per forward."""
+    """What attention needs under SP besides q, k, v: the group and the whole padded row's segments (once per forward)."""
 
     sp: UlyssesGroup
     segments: list[Segment]

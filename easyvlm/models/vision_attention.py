@@ -1,7 +1,6 @@
-"""The Qwen-VL vision towers' windowed attention as one SDPA call per window length, not one per
-window (transformers' SDPA path). :class:`WindowBatchedVisionAttention` keeps the module's
-``qkv`` and ``proj``; not ``AttentionInterface``, which is called after the split.
-docs/workers.md, "Padding-free forward"."""
+"""The Qwen-VL vision towers' windowed attention as one SDPA call per window length, not per window
+(transformers' SDPA path); not ``AttentionInterface``, which is called after the split. docs/workers.md,
+"Padding-free forward"."""
 
 from __future__ import annotations
 
@@ -124,9 +123,8 @@ def _attend(query: Tensor, key: Tensor, value: Tensor, windows: int, length: int
 
 
 def batch_vision_windows(model: nn.Module) -> int:
-    """Replace every SDPA vision attention module of ``model`` (not flash, not eager: the reference
-    one asks for on purpose) by a :class:`WindowBatchedVisionAttention` sharing one
-    :class:`WindowPlans`. Returns how many were replaced."""
+    """Replace every SDPA vision attention module of ``model`` (not flash or eager, asked for on purpose) by a
+    :class:`WindowBatchedVisionAttention` sharing one :class:`WindowPlans`; returns how many."""
     replaced, plans = 0, WindowPlans()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -1,7 +1,6 @@
-"""Each image through a frozen vision tower once: embeddings kept on the device by pixel hash, given
-to the model as transformers' ``mm_encoder_outputs`` by a forward pre-hook that runs after FSDP's.
-Each image is encoded alone, so the result is bitwise a per-image forward. docs/workers.md, "Each
-image through a frozen tower once"."""
+"""Each image through a frozen vision tower once: embeddings kept on the device by pixel hash, given to the
+model as ``mm_encoder_outputs`` by a pre-hook after FSDP's; each image is encoded alone, so the result is
+bitwise a per-image forward. docs/workers.md, "Each image through a frozen tower once"."""
 
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; a bare machine
 
 
 def pixel_keys(pixels: Tensor, grid_thw: Tensor, modality: str = "image") -> list[bytes]:
-    """One key per image (or video) of a forward's inputs: pixels (N, D) on the host, grid_thw (n, 3)
-    (image i is rows ``sum(prod(grid[:i])) ..``). It hashes the rows, grid, dtype and modality:
-    equal keys, equal inputs to the same encoder."""
+    """One key per image (or video) of a forward's inputs: pixels (N, D) on the host, grid_thw (n, 3). The key
+    hashes the image's rows, grid, dtype and modality: equal keys, equal inputs to the same encoder."""
     pixels = pixels.detach().cpu().contiguous()
     keys, start = [], 0
     for t, h, w in grid_thw.tolist():
@@ -51,8 +49,7 @@ def pixel_keys(pixels: Tensor, grid_thw: Tensor, modality: str = "image") -> lis
 
 @dataclass
 class Encoded:
-    """One image's tower outputs: merged embeddings (tokens, hidden) and, for Qwen3-VL, one deepstack
-    feature (tokens, hidden) per deepstack layer."""
+    """One image's tower outputs: merged embeddings (tokens, hidden), and per deepstack layer one more (Qwen3-VL)."""
 
     embeds: Tensor
     deepstack: tuple[Tensor, ...] = ()
@@ -126,8 +123,7 @@ def model_inputs_with_cache(inputs: dict[str, Tensor], device: torch.device) -> 
 
 
 def encode_pending(model: nn.Module, pending: PendingVision, cache: VisionEmbeddingCache, device: torch.device) -> dict[str, Any]:
-    """``mm_encoder_outputs`` of ``pending``: each image's outputs from ``cache``, or encoded alone
-    (no grad: the tower is frozen) and stored."""
+    """``mm_encoder_outputs`` of ``pending``: each image from ``cache``, else encoded alone (no grad) and stored."""
     outputs: dict[str, Any] = {}
     for modality, (keys, pixels, grid) in pending.parts.items():
         encode = getattr(model, f"get_{modality}_features")
@@ -199,9 +195,8 @@ class CachedTower:
 
 def same_frozen_tower(model_a: nn.Module, compute_dtype_a: Optional[torch.dtype],
                       model_b: nn.Module, compute_dtype_b: Optional[torch.dtype]) -> bool:
-    """Whether two models' vision towers compute alike on this rank: same parameter and buffer names,
-    values bitwise equal shard by shard in each model's FSDP compute dtype (None = the
-    parameter's own). Decided from the tensors, not from the config."""
+    """Whether two models' vision towers compute alike on this rank, from the tensors (not the config): same names,
+    values bitwise equal shard by shard in each model's FSDP compute dtype (None = the parameter's own)."""
     tower_a, tower_b = get_vision_tower(model_a), get_vision_tower(model_b)
     if tower_a is None or tower_b is None:
         return False

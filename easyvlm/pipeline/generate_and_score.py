@@ -33,9 +33,8 @@ def val_metrics(scores: Mapping[str, list[float]]) -> dict[str, float]:
 
 @dataclass
 class ScoredRollouts:
-    """Every answer of a split, in the order generated: per answer its prompt's ``uids``, ``scores`` (reward key ->
-    values), ``generations`` (prompt, response, ground truth, overall); the multi-turn ``trajectories``; one viewer
-    capture per batch when asked for."""
+    """Every answer of a split, in order: its prompt's ``uids``, ``scores`` (reward key -> values), ``generations``
+    (prompt, response, ground truth, overall); the multi-turn ``trajectories``; viewer captures when asked for."""
 
     uids: list[str] = field(default_factory=list)
     scores: dict[str, list[float]] = field(default_factory=dict)

@@ -1,5 +1,4 @@
-"""The scorers that are models, started from the run plan in Ray processes: the reward model's worker group
-(``worker.reward_model``) and the judge's engines (``worker.judge``)."""
+"""The scorers that are models (``worker.reward_model``'s worker group, ``worker.judge``'s engines), in Ray."""
 
 from __future__ import annotations
 

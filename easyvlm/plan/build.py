@@ -9,19 +9,21 @@ starts; each role gets its typed slice (``easyvlm.<package>.specs``).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import ModelConfig, RewardConfig
+from easyvlm.data.settings import DataConfig
 from easyvlm.config.validate import notices
 from easyvlm.agents.specs import AgentSpec
 from easyvlm.models.specs import ModelBundle
-from easyvlm.plan.specs import DriverSpec
+from easyvlm.plan.specs import DriverSpec, LaunchSpec
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import RolloutSpec
 from easyvlm.workers.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec
@@ -35,12 +37,11 @@ from easyvlm.plan.roles import actor_spec, critic_spec, judge_spec, ref_spec, re
 @dataclass(frozen=True)
 class RunPlan:
     """Everything a run needs, resolved once; every role gets only its slice, the driver's loop its
-    `DriverSpec`. ``config`` (paths absolute) is what the data loaders, the checkpoint manifest and
-    a GPU-cluster re-plan read."""
+    `DriverSpec`, the data loaders the ``data`` section (paths absolute), Ray's start `LaunchSpec`."""
 
-    config: PPOConfig
-    derived: Derived
     device: str
+    data: DataConfig
+    launch: LaunchSpec
     bundle: ModelBundle
     actor: ActorSpec
     ref: Optional[RefSpec]
@@ -59,6 +60,9 @@ class RunPlan:
     notices: tuple[str, ...]
     """Valid settings that do something the user may not expect; printed at start."""
     driver: DriverSpec
+    for_cuda: Optional[Callable[[], "RunPlan"]] = field(default=None, compare=False, repr=False)
+    """``trainer.device=auto`` planned on a machine without a GPU: builds this plan for ``cuda``, for
+    a joined cluster that turns out to have GPUs (``easyvlm.trainer.main``)."""
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -151,9 +155,9 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
     critic = critic_spec(cfg, derived, bundle) if derived.use_critic else None
     driver = driver_spec(cfg, derived)
     return RunPlan(
-        config=cfg,
-        derived=derived,
         device=device,
+        data=cfg.data,
+        launch=launch_spec(cfg, derived),
         bundle=bundle,
         actor=actor,
         ref=ref_spec(cfg, bundle) if derived.use_reference else None,
@@ -166,6 +170,18 @@ def build_plan(cfg: PPOConfig, device: str) -> RunPlan:
         judge=judge_spec(cfg, rollout),
         notices=tuple(notices(cfg) + device_notices(cfg, device)),
         driver=dataclasses.replace(driver, stages=batch_stages(driver, actor, critic)),
+        for_cuda=functools.partial(build_plan, cfg, "cuda") if cfg.trainer.device == "auto" and device == "cpu" else None,
+    )
+
+
+def launch_spec(cfg: PPOConfig, derived: Derived) -> LaunchSpec:
+    t, r, judge = cfg.trainer, cfg.worker.rollout, cfg.worker.judge
+    return LaunchSpec(
+        ray_address=t.ray_address,
+        world_size=derived.world_size,
+        n_gpus_per_node=t.n_gpus_per_node,
+        judge_engines=judge.num_workers if judge.enable else 0,
+        separate_rollout_devices=r.num_devices if r.placement == "separate" else 0,
     )
 
 

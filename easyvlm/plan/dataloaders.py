@@ -10,6 +10,6 @@ def plan_dataloaders(plan: RunPlan) -> tuple[PromptDataLoader, PromptDataLoader 
     """The training loader and the validation loader (None without ``data.val_files``)."""
     bundle = plan.bundle
     return create_dataloaders(
-        plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config,
-        plan.derived.prompts_per_generation_round, plan.agent.tool_schemas if plan.agent is not None else (),
+        plan.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config,
+        plan.driver.rounds.prompts_per_round, plan.agent.tool_schemas if plan.agent is not None else (),
     )

@@ -10,7 +10,7 @@ from easyvlm.algorithms.rollout_correction_settings import staleness_correction
 from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived
 from easyvlm.config.schema import PPOConfig
-from easyvlm.plan.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpec
+from easyvlm.plan.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpec, RunLength
 
 
 def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
@@ -24,6 +24,7 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         max_rounds=t.max_try_make_batch,
         baseline=a.adv_estimator == "remax",
         placement=placement,
+        prompts_per_round=derived.prompts_per_generation_round,
     )
     # gamma, lam, kl, rollout_correction, multi_objective_aggregation: the algorithm's; kl_in_reward,
     # kl_in_loss, use_reference: derived; critic_warmup: the trainer's
@@ -43,8 +44,10 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
     )
     actor = cfg.worker.actor
     return settings_of(
-        DriverSpec, t,  # val_before_train, val_only, val_freq, save_freq, nnodes
+        DriverSpec, t,  # val_before_train, val_only, val_freq, save_freq, nnodes, load_checkpoint_path, ...
         reward_num_cpus=cfg.worker.reward.num_cpus,
+        length=settings_of(RunLength, t, rollout_batch_size=cfg.data.rollout_batch_size),
+        world_size=derived.world_size,
         rounds=rounds,
         advantage=advantage,
         records=records,

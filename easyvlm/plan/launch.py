@@ -75,11 +75,11 @@ def start_ray(plan: RunPlan) -> Any:
     """Join ``trainer.ray_address`` / ``RAY_ADDRESS`` if given, else start a local cluster."""
     import ray
 
-    cfg = plan.config
+    launch = plan.launch
     env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-call INFO/WARNING lines drown the progress bar
-    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    address = launch.ray_address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
         return ray
     if address:
@@ -91,10 +91,10 @@ def start_ray(plan: RunPlan) -> Any:
         prepare_nodes(plan, ray)  # each node's cache gets the builtin models before any worker starts
     else:
         # logical CPUs: one per training process plus the reward actor's; the OS shares the cores
-        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + cfg.worker.reward.num_cpus
-        cpus += cfg.worker.judge.num_workers if cfg.worker.judge.enable else 0  # one per judge engine
-        if cfg.worker.rollout.placement == "separate":  # the rollout group's devices, as many CPUs as a rank's
-            cpus += cfg.worker.rollout.num_devices * max(1, (os.cpu_count() or 1) // cfg.trainer.n_gpus_per_node)
+        cpus = max(os.cpu_count() or 1, launch.n_gpus_per_node) + plan.driver.reward_num_cpus
+        cpus += launch.judge_engines  # one per judge engine
+        # the separate rollout group's devices, as many CPUs as a rank's
+        cpus += launch.separate_rollout_devices * max(1, (os.cpu_count() or 1) // launch.n_gpus_per_node)
         # every easyvlm process is an actor started on demand: no idle workers started ahead (~80 MiB each)
         ray.init(num_cpus=cpus, include_dashboard=False, runtime_env={"env_vars": env},
                  _system_config={"prestart_worker_first_driver": False})
@@ -105,8 +105,8 @@ def rank_resources(plan: RunPlan) -> Any:
     """What each rank of a worker group gets: a GPU, or on the CPU an equal share of the cores."""
     from easyvlm.distributed.worker_group import Resources
 
-    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.config.trainer.n_gpus_per_node) if plan.device == "cpu" else 4
-    return Resources(world_size=plan.derived.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
+    cpus_per_worker = max(1, (os.cpu_count() or 1) // plan.launch.n_gpus_per_node) if plan.device == "cpu" else 4
+    return Resources(world_size=plan.launch.world_size, cpus_per_worker=cpus_per_worker, use_gpu=plan.device == "cuda")
 
 
 # ------------------------------------------------------------------------------ a joined cluster's nodes

@@ -307,7 +307,7 @@ MERGE_KEY = "worker.actor.model.lora.merge_for_rollout"
 
 def adapter_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AdapterSpec]:
     """The adapters the engine serves unmerged, or None: merged weights (no LoRA, ``merge_for_rollout``
-    true, separate engines, or adapters the engine cannot serve, whose reason is logged here at start;
+    true, asynchronous separate engines, or adapters the engine cannot serve, whose reason is logged here at start;
     with ``merge_for_rollout`` false that is a ConfigError). The transformers engine serves what PEFT
     trains; vLLM what `vllm_unmerged_problem` allows."""
     from easyvlm.rollout.lora import adapted_modules, is_tower_module, vllm_max_lora_rank, vllm_unmerged_problem
@@ -315,9 +315,10 @@ def adapter_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[AdapterSpec]:
     lora, merge = bundle.policy.lora, cfg.worker.actor.model.lora.merge_for_rollout
     if lora is None or merge:
         return None
-    if cfg.worker.rollout.placement == "separate":  # merge_for_rollout=false is refused by the config check
-        logger.warning("easyvlm: LoRA adapters merged for rollout: worker.rollout.placement=separate engines get the "
-                       "full weights from the driver (%s=true is implied)", MERGE_KEY)
+    placement = cfg.worker.rollout.placement_settings
+    if placement.separate and placement.staleness > 0:  # merge_for_rollout=false is refused by the config check
+        logger.warning("easyvlm: LoRA adapters merged for rollout: asynchronous separate engines take each version's "
+                       "full weights (%s=true is implied)", MERGE_KEY)
         return None
     adapted = adapted_modules(bundle.policy)
     problem = None

@@ -8,6 +8,7 @@ from typing import Optional
 
 from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
 from easyvlm.algorithms.settings import DistillSettings, EntropySettings, KLSettings, OnlineFilterSettings
+from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.rollout.settings import PlacementSettings
 
 
@@ -26,6 +27,9 @@ class RoundsSpec:
     per_request_seed: bool
     placement: PlacementSettings
     """Where the engines run and how far ahead they generate (``worker.rollout.placement`` ...)."""
+    prompts_per_round: int
+    """Prompts one generation round takes: ``data.mini_rollout_batch_size`` or ``rollout_batch_size``
+    (the training loader's batch)."""
     baseline: bool
     """ReMax: one greedy response per prompt gives the baseline reward."""
 
@@ -66,7 +70,7 @@ class RecordsSpec:
     """What the run writes: metrics, validation generations, rollout pages, checkpoints."""
 
     run_dir: str
-    """Absolute: logs, the learning curve, rollout pages and checkpoints (``Derived.save_checkpoint_path``)."""
+    """Absolute: logs, the learning curve, rollout pages and checkpoints (``trainer.save_checkpoint_path`` or ``checkpoints/<project>/<experiment>``)."""
     loggers: tuple[str, ...]
     project_name: str
     experiment_name: str
@@ -85,6 +89,44 @@ class RecordsSpec:
 
 
 @dataclass(frozen=True)
+class RunLength:
+    """How many steps a run trains: ``trainer.max_steps``, or its epochs over the training prompts."""
+
+    max_steps: Optional[int]
+    total_epochs: int
+    rollout_batch_size: int
+
+    def steps_per_epoch(self, num_train_prompts: int) -> int:
+        """Steps in one pass over the prompts (the last partial batch dropped); with online filtering
+        a step may take more prompts, so an upper bound. ConfigError when not one step fits."""
+        steps = num_train_prompts // self.rollout_batch_size
+        if steps == 0:
+            raise ConfigError([Problem("data.rollout_batch_size", (
+                f"({self.rollout_batch_size}) is larger than the training set ({num_train_prompts} prompts "
+                "after filtering), so not one step fits; lower it or add data"))])
+        return steps
+
+    def total_steps(self, num_train_prompts: int) -> int:
+        if self.max_steps is not None:
+            return self.max_steps
+        return self.total_epochs * self.steps_per_epoch(num_train_prompts)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What a run asks of its cluster (easyvlm.plan.launch: Ray's start and each rank's share)."""
+
+    ray_address: Optional[str]
+    world_size: int
+    """Training ranks: ``trainer.nnodes`` x ``trainer.n_gpus_per_node``."""
+    n_gpus_per_node: int
+    judge_engines: int
+    """Judge engines, each its own process (0 without ``worker.judge``)."""
+    separate_rollout_devices: int
+    """The separate rollout group's devices (0 when the engines share the actor's ranks)."""
+
+
+@dataclass(frozen=True)
 class DriverSpec:
     """The driver's own settings (easyvlm.trainer): its loop, rounds, advantages and records."""
 
@@ -98,6 +140,11 @@ class DriverSpec:
     rounds: RoundsSpec
     advantage: AdvantageSpec
     records: RecordsSpec
+    length: RunLength
+    load_checkpoint_path: Optional[str]
+    find_last_checkpoint: bool
+    world_size: int
+    """Training ranks (the throughput metrics' per-device figures)."""
     entropy_control: Optional[EntropySettings] = None
     """Set when ``worker.actor.use_adaptive_entropy`` is on: the driver then sets the actor's
     entropy coefficient for each update."""

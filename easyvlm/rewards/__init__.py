@@ -1,7 +1,5 @@
-"""Verifiable rewards: load ``file.py:func`` reward functions, run them safely, check what they return
-(docs/rewards.md). ``easyvlm.rewards.actor`` (torch, ray) is not imported here: worker processes
-import this package and should start fast.
-"""
+"""Verifiable rewards (docs/rewards.md). ``easyvlm.rewards.actor`` (torch, ray) is not imported here,
+so worker processes that import this package start fast."""
 
 from easyvlm.rewards.loader import RewardFunctionSpec, load_reward_function
 from easyvlm.rewards.manager import RewardManager, RewardSettings

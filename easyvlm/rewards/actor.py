@@ -1,6 +1,5 @@
-"""The reward actor: a RewardManager in its own Ray actor on the CPU (``actor.compute.remote``, so
-scoring overlaps the log-prob passes), and `build_reward_inputs`, rollout Batch -> RewardInputs.
-"""
+"""The reward actor (a RewardManager in its own Ray actor, so scoring overlaps the log-prob passes)
+and `build_reward_inputs`, rollout Batch -> RewardInputs."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class RewardActor:
 
 
 def create_reward_actor(settings: RewardSettings, num_cpus: int, name: str | None = None) -> "ray.actor.ActorHandle":
-    """Start a RewardActor for the run plan's reward settings (Ray must be initialised); it reserves
-    ``num_cpus`` (``worker.reward.num_cpus``). The driver has loaded every reward file before."""
+    """Start a RewardActor reserving ``num_cpus`` (Ray initialised, reward files loaded in the driver)."""
     options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": 0}
     if name is not None:
         options["name"] = name

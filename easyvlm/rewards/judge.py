@@ -1,8 +1,5 @@
-"""A generative judge (``worker.judge``): a VLM reads each sample through a Jinja template and writes
-a verdict that a ``file.py:func`` parser turns into ``judge_score``, in a pool of Ray actors with a
-cache of samples judged before. A verdict that does not parse or come within ``timeout`` raises a
-RewardError, or with ``on_error=zero`` scores 0. See docs/rewards.md, "Model-based rewards: a generative judge".
-"""
+"""A generative judge (``worker.judge``): a VLM's verdict on each sample, parsed into ``judge_score``,
+from a pool of Ray actors with a cache; docs/rewards.md, "Model-based rewards: a generative judge"."""
 
 from __future__ import annotations
 
@@ -81,8 +78,7 @@ class Judge:
     """The driver's side: the actor pool, the cache, the parser and the failure handling."""
 
     def __init__(self, spec: Any, start_actor: Callable[[int], Any] | None = None):
-        """``start_actor(index)``: a new judge actor (default: a JudgeActor on its own CPU or GPU);
-        an actor that times out is killed and replaced by a new one."""
+        """``start_actor(index)``: a new judge actor (default: a JudgeActor); one that times out is replaced."""
         from easyvlm.utils.plugins import load_plugin
 
         self.spec = spec

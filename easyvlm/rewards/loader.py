@@ -1,7 +1,5 @@
-"""Load a reward function from ``path/to/file.py:func`` and check, before any sample is scored, that
-it can be called the way its reward type says. A file's ``REWARD_NAME`` (default: its stem) and
-``REWARD_TYPE`` ("batch" or "sequential"; the config's ``reward_type`` wins) are EasyR1's.
-"""
+"""Load a reward function from ``path/to/file.py:func`` and check its signature before any sample is
+scored. ``REWARD_NAME`` (default: the file's stem) and ``REWARD_TYPE`` are EasyR1's."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ class RewardFunctionSpec:
     source: str | None = field(default=None, repr=False, compare=False)
 
     def resolved(self) -> "RewardFunctionSpec":
-        """The same spec with an absolute path, an explicit function name and the file's text (kept
-        if it has one). Call it in the driver, before the spec travels to a Ray actor."""
+        """The spec with an absolute path, function name and the file's text; call it in the driver."""
         try:
             parsed = parse_plugin_spec(self.reward_function, DEFAULT_FUNCTION_NAME)
         except PluginError as exc:

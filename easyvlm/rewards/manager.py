@@ -1,10 +1,5 @@
-"""RewardManager: score a batch with one or several user reward functions, and make every failure loud.
-
-User code runs only in worker processes (`ServingProcess`), killed once a function's whole batch
-outlasts ``timeout``. Every output is checked; a failure raises RewardError naming the file,
-function, sample and problem, or with ``on_error="zero"`` scores 0 (``reward/error_count``).
-See docs/rewards.md, "When a reward function fails".
-"""
+"""RewardManager: score a batch with user reward functions, run only in worker processes (killed
+once a batch outlasts ``timeout``), every output checked; docs/rewards.md, "When a reward function fails"."""
 
 from __future__ import annotations
 
@@ -30,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RewardSettings:
-    """What a RewardManager needs, built in the driver: the functions (relative paths resolved here;
-    ``overall`` is their weighted sum) and ``worker.reward``'s call settings."""
+    """What a RewardManager needs, built in the driver: the functions (``overall`` is their weighted
+    sum) and ``worker.reward``'s call settings."""
 
     functions: tuple[RewardFunctionSpec, ...]
     calls: RewardCallSettings = RewardCallSettings()
@@ -120,8 +115,7 @@ class RewardManager:
     def _isolate(
         self, reward: LoadedReward, dicts: list[dict], batch_error: str, stop_early: bool, deadline: float | None
     ) -> list[dict | _Failure]:
-        """After a batch call raised: call the function on each sample alone to find the failing ones,
-        in what is left of the batch's ``timeout``."""
+        """After a batch call raised: find the failing samples one by one, within the batch's ``timeout``."""
         unlocated = _Failure(None, f"{batch_error} (calling it on one sample at a time did not locate the failing "
                                    "sample)")
         left = None if deadline is None else deadline - time.monotonic()
@@ -274,8 +268,7 @@ def _call(reward: LoadedReward, arg: Any) -> tuple[str, Any]:
 
 
 def _describe_exception(exc: BaseException, spec: str) -> str:
-    """``it raised ValueError: bad (at math.py:12 in compute_score: return 1/0)``: the type, the
-    message and the deepest line of the reward file in the traceback."""
+    """``it raised ValueError: bad (at math.py:12 in compute_score: return 1/0)``."""
     text = f"it raised {type(exc).__name__}: {exc}"
     path = os.path.realpath(spec.rpartition(":")[0])
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == path]

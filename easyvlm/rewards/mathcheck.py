@@ -50,10 +50,8 @@ def _equal_main_thread(prediction: str, ground_truth: str, timeout: float) -> bo
 
 
 def math_equal(prediction: str, ground_truth: str, timeout: float = 5.0) -> bool:
-    r"""True if two answers are mathematically equal (``0.5`` and ``\frac{1}{2}``), by math-verify.
-    Each may be bare, ``$...$`` or hold ``\boxed{...}`` (the last box counts); a check longer than
-    ``timeout`` seconds counts as not equal. Safe to call from any thread.
-    """
+    r"""True if two answers (bare, ``$...$`` or with ``\boxed{...}``, the last box) are mathematically
+    equal by math-verify; a check longer than ``timeout`` seconds counts as not equal. Any thread."""
     prediction, ground_truth = str(prediction), str(ground_truth)
     if not prediction.strip() or not ground_truth.strip():
         return False

@@ -1,8 +1,6 @@
-"""The reward model's scores in the driver: from the worker group to the reward inputs, optionally
-standardised by running statistics (``worker.reward_model.normalize=running``: (s - mean) / std over
-every training score so far, this step's included; Chan's parallel update, so batching does not
-matter). Caveats: docs/rewards.md, "Model-based rewards: a trained reward model".
-"""
+"""The reward model's scores in the driver, optionally standardised (``normalize=running``: (s - mean)
+/ std over every training score so far, this step's included). docs/rewards.md, "Model-based
+rewards: a trained reward model"."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ STD_FLOOR = 1e-6  # a constant score has std 0: divide by this instead
 
 
 class RunningMoments:
-    """Count, mean and variance of every value seen (exact, batch by batch)."""
+    """Count, mean and variance of every value seen (Chan's parallel update: exact, batch by batch)."""
 
     def __init__(self) -> None:
         self.count, self.mean, self.m2 = 0, 0.0, 0.0

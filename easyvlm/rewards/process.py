@@ -1,8 +1,6 @@
 """ServingProcess: a child process that runs untrusted, possibly slow code on request, and that the
-parent can always stop (a thread cannot: C code holding the GIL keeps a waiting thread asleep).
-Started with "spawn" (forking Ray's threaded process can deadlock); requests run in the child's
-main thread, so signal-based timeouts (math-verify's) work there.
-"""
+parent can always stop (a thread cannot, while C code holds the GIL). Spawned, not forked (forking
+Ray's threaded process can deadlock); requests run in its main thread, so signal timeouts work."""
 
 from __future__ import annotations
 
@@ -33,10 +31,8 @@ def _stop_all() -> None:
 
 class ServingProcess:
     """``setup(*setup_args) -> state`` once in the child, then ``handle(state, request) -> (status,
-    value)`` per request; both module-level functions (spawn pickles them by name). ``call`` returns
-    the handler's pair, ``("timeout", None)`` (child killed), ``("died", exit_code)`` or
-    ``("unpicklable", message)``.
-    """
+    value)`` per request (module-level functions). ``call`` returns the handler's pair,
+    ``("timeout", None)`` (child killed), ``("died", exit_code)`` or ``("unpicklable", message)``."""
 
     def __init__(self, setup: Callable[..., Any], setup_args: tuple, handle: Callable[[Any, Any], Any], name: str):
         self._setup, self._setup_args, self._handle, self._name = setup, setup_args, handle, name

@@ -1,6 +1,4 @@
-"""The values that cross the reward boundary. A user's reward function gets plain dicts
-(:meth:`RewardInput.to_dict`) and returns floats or dicts of floats: docs/rewards.md is the contract.
-"""
+"""The values that cross the reward boundary; docs/rewards.md is the contract."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ MODEL_SCORE_KEYS = ("reward_model_score", "reward_model_raw_score", "judge_score
 
 @dataclass
 class RewardInput:
-    """One sample to score, built by ``easyvlm.rewards.actor.build_reward_inputs``; each field is
-    the key of the same name in docs/rewards.md, "What the function gets". ``trajectory``:
-    multi-turn runs only, the values of ``MULTI_TURN_KEYS``.
-    """
+    """One sample to score; each field is the key of the same name in docs/rewards.md, "What the
+    function gets". ``trajectory``: multi-turn runs only, the values of ``MULTI_TURN_KEYS``."""
 
     response: str
     response_length: int
@@ -32,15 +28,13 @@ class RewardInput:
     extra: dict[str, Any] = field(default_factory=dict)
     trajectory: dict[str, Any] | None = None
     reward_model_score: float | None = None
-    """``worker.reward_model`` runs only: its score of the sample (standardised with
-    ``normalize=running``), and the raw score."""
+    """``worker.reward_model`` runs only: its score (standardised with ``normalize=running``) and the raw one."""
     reward_model_raw_score: float | None = None
     question: str = ""
     """The row's prompt column as written (``<image>`` placeholders, no format prompt or chat
     template): what a judge's template shows (not in the reward function's dict)."""
     judge_score: float | None = None
-    """``worker.judge`` runs only: the judge's parsed verdict (0 when it did not parse or did not
-    come, with ``on_error=zero``)."""
+    """``worker.judge`` runs only: the parsed verdict (0 for a failure with ``on_error=zero``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The dict a reward function gets: the standard keys, each extra column by name, and the
@@ -67,15 +61,9 @@ class RewardInput:
 
 @dataclass
 class RewardResult:
-    """Scores of a batch of B samples.
-
-    scores: "overall" plus every sub-score ("<REWARD_NAME>/<key>" with several functions, whose
-        weighted sum is "overall"), each a list of B floats.
-    metrics: "reward/<key>" batch means, and "reward/error_count" (scores zeroed by on_error=zero).
-    errors: the messages of those failures.
-    function_keys: with several functions, the keys of each one's own ``overall``, in config order
-        (GDPO reads them); empty with one.
-    """
+    """Scores of B samples. scores: "overall" plus every sub-score ("<REWARD_NAME>/<key>" with several
+    functions), each B floats. metrics: "reward/<key>" means and "reward/error_count"; errors: their
+    messages. function_keys: each function's own ``overall`` key, in config order (GDPO); [] with one."""
 
     scores: dict[str, list[float]]
     metrics: dict[str, float]
@@ -89,8 +77,7 @@ class RewardResult:
 
 
 class RewardError(RuntimeError):
-    """A reward function that cannot be loaded or that failed on a sample; the message names the
-    file, the function, the sample index (when there is one) and the problem."""
+    """A reward function that cannot be loaded or failed; the message names file, function, sample, problem."""
 
     def __init__(self, message: str, spec: str | None = None, sample_index: int | None = None):
         super().__init__(message)

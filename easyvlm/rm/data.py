@@ -1,6 +1,5 @@
-"""Preference pairs ``{prompt, images, chosen, rejected[, margin]}``, read and checked as RL prompts
-are (easyvlm.data), collated into the Batch layout every worker forward takes: a pair is two
-consecutive rows with the same prompt, so shared-prompt forwards run the prompt once for both."""
+"""Preference pairs ``{prompt, images, chosen, rejected[, margin]}``, read and checked as RL prompts are, collated
+into the workers' Batch layout: a pair is two consecutive rows of one prompt, so shared-prompt forwards run it once."""
 
 from __future__ import annotations
 

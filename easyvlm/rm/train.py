@@ -1,10 +1,6 @@
-"""The reward-model trainer: ``python -m easyvlm.rm config=examples/rm.yaml key=value ...``.
-
-One process per device (``torchrun`` on GPUs), FSDP2 as the RL workers use it. Each step takes
-``data.batch_size`` pairs in a seeded per-epoch order; the Bradley-Terry loss is normalised by the
-step's pair count, so the gradient is the step mean whatever the split. Checkpoints (with the
-``huggingface/`` export) are written, verified and resumed as the RL trainer's. Metrics: rm/loss,
-rm/accuracy, rm/margin, rm/grad_norm, rm/lr; val/pairwise_accuracy, val/loss, val/margin."""
+"""The reward-model trainer: ``python -m easyvlm.rm config=examples/rm.yaml key=value ...``: one process per
+device (``torchrun`` on GPUs), FSDP2 as the RL workers; the Bradley-Terry loss over the step's pair count, so
+the gradient is the step mean whatever the split; checkpoints as the RL trainer's. docs/rewards.md."""
 
 from __future__ import annotations
 
@@ -210,8 +206,7 @@ class RewardModelTrainer:
         set_rng_state(state["rng"])
 
     def export_hf(self, path: Path) -> None:
-        """A transformers sequence-classification directory (weights, config, tokenizer, processor).
-        Collective; rank 0 writes."""
+        """An HF sequence-classification directory (weights, config, tokenizer, processor); collective, rank 0 writes."""
         state = gather_full_state_dict(self.model)
         if self.rank == 0:
             export_reward_model(state, self.hf_config, self.bundle, path)

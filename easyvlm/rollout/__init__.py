@@ -1,6 +1,5 @@
-"""Rollout: sample responses for prompt Batches (vLLM or transformers generate) and sync weights.
-Names load on first use, so that pure modules (``staleness``, read by bench/cluster_model.py) import
-without torch."""
+"""Rollout: sample responses for prompt Batches and sync weights. Names load on first use, so pure
+modules (``staleness``) import without torch."""
 
 from __future__ import annotations
 

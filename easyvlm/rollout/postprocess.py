@@ -1,5 +1,4 @@
-"""Sampled token lists -> the rollout Batch: padding, response mask, prompt + response. Pure
-functions shared by every engine. B rows (prompts x n), P prompt tokens (left padded),
+"""Sampled token lists -> the rollout Batch, for every engine. B rows, P prompt tokens (left padded),
 T = max_response_length (fixed, so several calls' batches concatenate)."""
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ def pad_logprobs(logprobs: Sequence[Sequence[float]], response_length: int) -> T
 
 
 def build_response_mask(responses: Tensor, response_lengths: Tensor, eos_token_ids: Sequence[int]) -> Tensor:
-    """(B, T) bool: True on the sampled tokens up to and including the first EOS. ``response_lengths``
-    (B,), not the pad id, ends a row: Qwen's pad id is also an EOS id. Tokens sampled after an EOS
-    (``ignore_eos``) are masked out, as in EasyR1."""
+    """(B, T) bool: True up to and including the first EOS (EasyR1's rule, also under ``ignore_eos``).
+    ``response_lengths`` (B,), not the pad id, ends a row: Qwen's pad id is also an EOS id."""
     positions = torch.arange(responses.shape[1], device=responses.device)
     sampled = positions.unsqueeze(0) < response_lengths.unsqueeze(1)  # (B, T)
     eos = torch.isin(responses, torch.as_tensor(list(eos_token_ids), device=responses.device)) & sampled
@@ -53,8 +51,8 @@ def concat_prompt_response(
     responses: Tensor,
     response_mask: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Prompt (B, P) + response (B, T) -> input_ids, attention_mask (B, P+T) and position_ids (B, P+T)
-    or (B, R, P+T) (``extend_position_ids``). The response's attention mask is ``response_mask``."""
+    """Prompt (B, P) + response (B, T) -> input_ids, attention_mask (response part: ``response_mask``)
+    and position_ids over P+T."""
     input_ids = torch.cat([prompts, responses], dim=1)
     attention_mask = torch.cat([prompt_attention_mask.bool(), response_mask.bool()], dim=1)
     position_ids = extend_position_ids(prompt_position_ids, responses.shape[1])
@@ -69,8 +67,7 @@ def build_rollout_batch(
     pad_token_id: int,
     eos_token_ids: Sequence[int],
 ) -> Batch:
-    """The Batch ``RolloutEngine.generate`` returns (its docstring lists the keys) from the prompt Batch
-    repeated n times and one response and log-prob list per row, in row order."""
+    """``RolloutEngine.generate``'s Batch from the repeated prompts and a response and log-prob list per row."""
     if len(responses) != len(prompts) or len(logprobs) != len(prompts):
         raise ValueError(f"{len(responses)} responses and {len(logprobs)} logprob rows for {len(prompts)} prompts")
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.long)

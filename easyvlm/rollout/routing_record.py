@@ -1,6 +1,5 @@
-"""The experts an MoE model routed each sampled token to, recorded by a forward hook while
-transformers' ``generate`` samples (router replay R3): the prompt call routes the prompt, step s the
-token sampled at step s - 1; a row's unrouted last token and all padding hold FREE."""
+"""Router replay R3 for transformers' ``generate``: a forward hook records the experts each token was
+routed to; a row's unrouted last token and all padding hold FREE."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ class RoutingRecorder:
         return [routed[b, : prompt + n] for b, n in enumerate(lengths)]
 
     def take(self, width: int) -> Tensor:
-        """(rows, width, layers, k) of every row recorded since the last take, FREE-padded on the
-        right to ``width`` (= P + max_response_length) columns."""
+        """(rows, width = P + T, layers, k) of the rows recorded since the last take, FREE-padded."""
         rows, self._rows = self._rows, []
         out = torch.full((len(rows), width, self.state.num_layers, self.state.top_k), FREE, dtype=torch.int16)
         for b, row in enumerate(rows):

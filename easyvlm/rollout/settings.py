@@ -1,5 +1,5 @@
 """Where the rollout engines run and how far ahead of the trainer they may generate, declared once:
-the keys ``worker.rollout.placement`` ... ``partial_rollout``, which the config schema composes in
+the keys ``worker.rollout.placement`` ... ``weight_transfer``, which the config schema composes in
 their place. Its own range rules are `PlacementSettings.problems`; the config check adds the rules
 that involve other sections. Torch-free: the config check imports this module."""
 
@@ -52,10 +52,23 @@ class PlacementSettings:
     steps (KV cache recomputed), and groups are handed to the trainer as they complete. With
     `tools` or an `environment`: each turn starts on the newest weights (a turn in flight ends on
     its own), and the step's batch is handed over whole."""
+    weight_transfer: Literal["auto", "collective", "object_store"] = "auto"
+    """easyvlm extra. How separate engines get the weights. `collective`: broadcast from the actor's
+    rank 0 in buckets through a process group of their own (gloo on the CPU, NCCL on GPUs); needs
+    synchronous rollout (`max_staleness: 0`), and a group that does not form stops the run.
+    `object_store`: the full state dict as a Ray object. `auto`: `collective` for synchronous
+    engines (the Ray objects if the group does not form, said in the log), `object_store` for
+    asynchronous ones (each version is published for the producer). Only with `placement: separate`.
+    docs/rollout.md, "Weight sync"."""
 
     @property
     def separate(self) -> bool:
         return self.placement == "separate"
+
+    @property
+    def by_collective(self) -> bool:
+        """Whether separate engines take the weights by the collective (`weight_transfer`)."""
+        return self.separate and self.staleness == 0 and self.weight_transfer != "object_store"
 
     @property
     def staleness(self) -> int:
@@ -85,12 +98,20 @@ class PlacementSettings:
                 if on:
                     found.append((key, f"needs {p}.placement=separate: a colocated engine shares the actor's "
                                   "process, so generation cannot overlap training; set placement=separate"))
+            if s.weight_transfer != "auto":
+                found.append(("weight_transfer", f"acts only with {p}.placement=separate (a colocated engine shares "
+                              "the actor's process: the weights are copied in memory, nothing is transferred); "
+                              "set placement=separate or leave weight_transfer at auto"))
             return found
         if not s.num_devices >= 1:
             found.append(("num_devices", f"must be >= 1, got {s.num_devices}"))
         if s.one_step_off and s.max_staleness not in (0, 1):
             found.append(("one_step_off", f"is shorthand for {p}.max_staleness=1, but max_staleness={s.max_staleness} "
                           "is set too; keep one of them"))
+        if s.weight_transfer == "collective" and asynchronous:
+            found.append(("weight_transfer", f"collective needs synchronous rollout ({p}.max_staleness=0, "
+                          "one_step_off=false): asynchronous engines take each version's weights as published Ray "
+                          "objects; set weight_transfer to auto or object_store"))
         if s.partial_rollout and not asynchronous:
             found.append(("partial_rollout", f"needs {p}.max_staleness >= 1: with synchronous rollout the weights "
                           "never change during a generation, so there is nothing to resume; set max_staleness (e.g. 2)"))

@@ -1,8 +1,7 @@
-"""The staleness bound of asynchronous rollout (``worker.rollout.max_staleness`` = k), pure: the
-rules the rollout service's producers follow (``easyvlm.service.producers``), the trainer's check of
-every batch, and what ``bench/cluster_model.py`` simulates. The trainer at version p has done p
-updates and trains step p + 1; a sample's staleness is p minus the version that sampled its oldest
-token, and the bound is staleness <= k. docs/rollout.md, "Separate placement and asynchronous rollout"."""
+"""The staleness bound of asynchronous rollout (``max_staleness`` = k), pure: the producers' rules and
+the trainer's check. The trainer at version p has done p updates and trains step p + 1; a sample's
+staleness, p minus the version of its oldest token, is <= k. docs/rollout.md, "Separate placement and
+asynchronous rollout"."""
 
 from __future__ import annotations
 
@@ -25,46 +24,33 @@ class StalenessBound:
 
     # ------------------------------------------------------------------ whole batches
     def batch_may_start(self, step: int, trainer_version: int, taken: int, limit: int) -> bool:
-        """Whether step ``step``'s batch may be generated now: one batch ahead of the trainer's
-        requests (it took step ``taken``'s), no prompt past the draw ``limit`` (the next
-        checkpoint's step), and the trainer at the version the batch is generated with."""
+        """Whether step ``step``'s batch may be generated now: at most one ahead of ``taken``, not past the
+        draw ``limit`` (next checkpoint), and the trainer at least at the batch's version."""
         return step <= min(limit, taken + 1) and trainer_version >= step - 1 - self.k
 
     def batch_version(self, step: int, floor: int) -> int:
-        """The version whose weights generate step ``step``'s batch: d - 1 - k exactly, so that a
-        seeded run samples the same whatever the timing (k = 1: verl's one-step-off); never older
-        than ``floor`` (the weights a run or a checkpoint's pause starts from)."""
+        """The version that generates step ``step``'s batch: step - 1 - k exactly, so a seeded run
+        samples the same whatever the timing (k = 1: verl's one-step-off), at least ``floor``."""
         return max(step - 1 - self.k, floor)
 
     # ------------------------------------------------------------------ streamed groups
     def admission_cap(self, version: int, limit: int) -> int:
-        """Groups that may have been admitted in all when the trainer is at ``version``: (version
-        + 1 + k) x B, none for steps past the draw ``limit``."""
+        """Groups admitted in all at most at ``version``: (version + 1 + k) x B, none past ``limit``."""
         return min(version + 1 + self.k, limit) * self.batch_groups
 
     def may_admit(self, version: int, limit: int, admitted: int, generating: int, completed: int) -> bool:
-        """Whether another B groups go into play: on demand (the engines have fewer than B groups
-        ``generating`` and the trainer fewer than B ``completed``), within the cap on the ``admitted``
-        ones (less those online filtering dropped). On demand rather than as far as the bound allows,
-        so a quick engine stays one step ahead, not k (docs/benchmarks.md, "Asynchronous rollout")."""
+        """Whether another B groups go into play: on demand (fewer than B ``generating`` and fewer than
+        B ``completed``) within :meth:`admission_cap`, so a quick engine stays one step ahead, not k."""
         B = self.batch_groups
         wanted = generating < B and completed < B
         return wanted and admitted + B <= self.admission_cap(version, limit)
 
     def choose(self, version: int, untrained: Mapping[int, int], completed: Sequence[tuple[Key, int]]) -> list[Key] | None:
         """The B complete groups the step at ``version`` trains on, or None (wait for more).
-
-        ``untrained``: admission version -> groups admitted then and not yet trained (generating or
-        complete); ``completed``: (group, admission version) of the complete ones, in completion order.
-
-        A group admitted at version v must be trained by version v + k. For m = 0 .. k-1, the groups
-        admitted at versions <= version - k + m must all be trained by this step and the m after it,
-        which take at most B each: this step takes at least (their number) - m B of them (m = 0:
-        every group that cannot wait longer), the first completed, and waits while too few of them
-        are complete or they do not fit. The rest of its B are the first completed of any version:
-        the freshest samples that keep the bound. (Taking only the m = 0 groups, then the first
-        completed, lets young groups overtake slow old ones until a later step must take more than
-        B: found with bench/cluster_model.py.) For k = 0 every untrained group is due."""
+        ``untrained``: admission version -> groups not yet trained; ``completed``: (group, admission
+        version) in completion order. A group admitted at v is trained by v + k: for m < max(k, 1), this
+        step takes at least (groups admitted at <= version - k + m) - m B of them, since the m steps after
+        it take at most B each; the rest of B are the first completed (docs/cluster_model.md, "Selection")."""
         B, batch, chosen = self.batch_groups, [], set()
         for m in range(max(self.k, 1)):
             oldest = version - self.k + m
@@ -80,9 +66,8 @@ class StalenessBound:
 
     # ------------------------------------------------------------------ the trainer's check
     def check(self, trainer_version: int, sample_versions: Sequence[int], step: int) -> None:
-        """Raise :class:`StalenessError` if a sample of step ``step``'s batch was sampled more than k
-        updates before ``trainer_version`` (by construction never: this is the producers' contract,
-        checked before the batch is trained)."""
+        """Raise :class:`StalenessError` if a sample is more than k updates older than ``trainer_version``
+        (never, by the producers' contract; checked before training)."""
         oldest = min(sample_versions, default=trainer_version)
         if trainer_version - oldest > self.k:
             raise StalenessError(
@@ -96,10 +81,8 @@ class StalenessBound:
 
 
 def staleness_metrics(batch: Any, version: int) -> dict[str, float]:
-    """``rollout/staleness_mean`` and ``_max``: how many updates behind the version the batch trains
-    at each sample's oldest token was sampled (separate engines tag ``rollout_version``); with
-    per-token versions (partial rollouts) also ``rollout/partial_fraction``: the share of samples
-    whose tokens span more than one version."""
+    """``rollout/staleness_mean``/``_max`` of the batch trained at ``version`` (from ``rollout_version``);
+    with per-token versions also ``rollout/partial_fraction``, samples spanning several versions."""
     if "rollout_version" not in batch:
         return {}
     import torch  # here: the bound's rules above import without torch (bench/cluster_model.py)

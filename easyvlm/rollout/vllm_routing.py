@@ -1,6 +1,5 @@
 """Router replay R3 with the vLLM engine: the experts vLLM routed each token to, laid out as the
-rollout batch's ``routed_experts``. GPUs: vLLM's own capture; CPU: :class:`StepCapture` (eager model,
-no prefix cache; docs/rollout.md, "Router replay R3"). Only the worker-side functions import vllm."""
+rollout batch's ``routed_experts`` (docs/rollout.md, "Router replay R3")."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from easyvlm.models.moe_routing import FREE
 
 
 def moe_layer_ids(hf_config: Any) -> list[int]:
-    """The decoder layers with a sparse MoE block, in order (the trainer's replay routers' layers):
-    transformers' rule, not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``."""
+    """The decoder layers with a sparse MoE block, in order, by transformers' rule."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     step = int(getattr(text, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(text, "mlp_only_layers", None) or ())
@@ -23,8 +21,7 @@ def moe_layer_ids(hf_config: Any) -> list[int]:
 
 
 def vllm_routed_experts(routed: np.ndarray | None, layer_ids: Sequence[int]) -> Tensor:
-    """A request's ``CompletionOutput.routed_experts`` (tokens, decoder layers, k; uint8 or uint16: a
-    column per decoder layer, dense layers' columns never written) -> (tokens, MoE layers, k) int16."""
+    """A request's ``routed_experts`` (tokens, decoder layers, k) -> (tokens, MoE layers, k) int16."""
     if routed is None:
         raise RuntimeError("vLLM returned no routed_experts for a finished request (enable_return_routed_experts "
                            "is set when EngineSpec.record_routing is)")
@@ -50,9 +47,8 @@ def lay_out_routing(sequences: Sequence[Tensor], prompt_mask: Tensor, response_l
 
 
 class StepCapture:
-    """Bound to every MoE router of vLLM's model (CPU, V1 model runner): files each forward's top-k ids
-    per layer under the requests its rows belong to, read from the runner's batch as vLLM's own capture
-    reads it (request ids, first computed positions, ``query_start_loc``)."""
+    """Bound to every MoE router of vLLM's model (CPU): files each forward's top-k ids per layer under
+    the requests its rows belong to, read from the runner's batch as vLLM's own capture does."""
 
     def __init__(self, runner: Any, layer_ids: Sequence[int], top_k: int):
         self.runner = runner
@@ -108,8 +104,7 @@ class StepCapture:
 
 
 def install_step_capture(worker: Any) -> list[int]:
-    """Run in vLLM's worker (``collective_rpc``): bind a :class:`StepCapture` to the model's MoE routers
-    (``bind_routed_experts_capturer``); returns the MoE decoder layers bound."""
+    """Run in vLLM's worker: bind a :class:`StepCapture` to the MoE routers; returns the layers bound."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 

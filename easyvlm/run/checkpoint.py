@@ -1,22 +1,7 @@
-"""Checkpoint directories: atomic commit, latest lookup, and pruning that keeps the best and the latest.
-
-Layout under ``save_dir`` (EasyR1's names, so its tooling finds them)::
-
-    global_step_<N>/                 one complete checkpoint (workers write actor/, critic/ inside)
-        trainer_state.pt             step, dataloader position, RNG states, KL controller
-        COMPLETE                     step, validation score, model_only
-        MANIFEST.json                written last, before the rename: every file's size and SHA-256
-    latest_checkpointed_iteration.txt
-
-Every state file loads with ``weights_only=True``, and resume verifies the manifest and the state
-files in the driver before Ray starts (docs/security.md: the manifest guards against accidents, the
-safe loads against code). A ``trainer.save_model_only`` checkpoint holds only ``actor/huggingface/``
-and ``COMPLETE``; resuming from one raises `CheckpointError`.
-
-Atomicity: a checkpoint is written into ``.global_step_<N>.partial``, renamed when complete, then
-the pointer file is replaced (``os.replace``): a crash leaves the previous or the new checkpoint as
-latest, never a half-written one.
-"""
+"""Checkpoint directories under ``save_dir`` (EasyR1's names: ``global_step_<N>/``, ``latest_checkpointed_iteration.txt``):
+atomic commit (written into ``.global_step_<N>.partial``, renamed when complete, then the pointer replaced: a crash never
+leaves a half-written one as latest), latest lookup, pruning that keeps the best and the latest, manifest checks.
+Model-only checkpoints cannot resume. docs/cluster.md, "Checkpoints need shared storage"; docs/security.md."""
 
 from __future__ import annotations
 
@@ -180,9 +165,8 @@ def read_manifest(path: Path) -> dict[str, dict]:
 
 
 def verify_checkpoint(path: Path, under: str | None = None) -> None:
-    """Check the checkpoint ``path`` against its manifest (size and hash of every file) and that each
-    state file loads safely; ``under``: only the files below this relative directory. Raises
-    `CheckpointError` naming every file that fails."""
+    """Check ``path`` against its manifest (size and hash of every file) and that each state file loads safely;
+    ``under``: only the files below this relative directory. Raises `CheckpointError` naming every failing file."""
     from easyvlm.utils.safe_state import UnsafeStateError, load_state, read_dcp_metadata
 
     entries = read_manifest(path)

@@ -1,12 +1,7 @@
 """Convert checkpoints of older easyvlm versions to the safe-state format.
 
-    python -m easyvlm.run.convert_checkpoint CHECKPOINT_OR_SAVE_DIR
-
-Older versions kept numpy's RNG state as an ndarray in the state files (which a ``weights_only``
-load refuses) and wrote no ``MANIFEST.json``. This reads them admitting numpy's array type and
-nothing else, rewrites the RNG states as tensors and writes the manifest, for one checkpoint or
-every complete one of a save directory. Run it only on checkpoints you trust.
-"""
+``python -m easyvlm.run.convert_checkpoint CHECKPOINT_OR_SAVE_DIR`` rewrites numpy RNG states as tensors (admitting
+numpy's array type only) and writes the manifest; only for checkpoints you trust (docs/security.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Plot a run's ``reward/*`` and ``val/*`` keys (counts aside) in two panels (docs/tracking.md):
-
-    python -m easyvlm.run.plot checkpoints/easyvlm/demo/experiment_log.jsonl [curve.png]
-
-Without OUT the figure goes next to the log as ``learning_curve.png``.
-"""
+``python -m easyvlm.run.plot <run dir>/experiment_log.jsonl [OUT.png]``, by default ``learning_curve.png``
+next to the log."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ def curve_points(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def panel_series(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]]]]:
-    """{panel prefix: {key: points}} for every key of the rows under ``reward/`` and ``val/``, in
-    key order; keys with no numeric value are left out."""
+    """{panel prefix: {key: points}} of every numeric key of the rows under ``reward/`` and ``val/``, in key order."""
     keys = sorted({k for r in rows for k in r})
     series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for prefix, _ in PANELS:
@@ -43,8 +39,7 @@ def panel_series(rows: list[dict]) -> dict[str, dict[str, list[tuple[int, float]
 
 
 def plot_rows(rows: list[dict], out_path: Path, title: str) -> Path | None:
-    """Draw ``rows`` (experiment_log.jsonl's) to ``out_path``; None when they hold no reward or
-    validation key."""
+    """Draw ``rows`` (experiment_log.jsonl's) to ``out_path``; None when they hold no reward or validation key."""
     series = panel_series(rows)
     if not any(series.values()):
         return None

@@ -1,20 +1,8 @@
-"""Where metrics and run records go: ``trainer.logger`` backends and the files of a run directory
-(``<save_checkpoint_path>``; docs/tracking.md). Whatever the loggers, it gets
-``experiment_config.json`` (the resolved config, rewritten at each launch) and, when validation
-samples are logged, ``val_generations.jsonl``. Environment variables per logger:
-
-- ``wandb``: **offline** under ``wandb/`` unless ``WANDB_API_KEY``, a ``wandb login`` (netrc) or
-  ``WANDB_MODE`` says otherwise; ``WANDB_DIR`` replaces the run directory.
-- ``swanlab``: **offline** under ``swanlog/`` unless ``SWANLAB_API_KEY``, a ``swanlab login`` or
-  ``SWANLAB_MODE``; ``SWANLAB_LOG_DIR`` (or EasyR1's ``SWANLAB_DIR``) replaces the directory.
-- ``mlflow``: the file store ``mlruns/`` unless ``MLFLOW_TRACKING_URI``; the experiment is
-  ``MLFLOW_EXPERIMENT_NAME`` or the project name.
-
-Viewer pages reach the media trackers from the viewer's thread (every backend call holds the
-tracker's lock); a tracker that fails on a page is reported once and training goes on. A resumed
-run (``start_step`` > 0) first drops the rows of later steps from the JSONL files and
-``generations.log``, so no step is recorded twice.
-"""
+"""Where metrics and run records go: ``trainer.logger`` backends and the run directory's files (docs/tracking.md).
+Offline unless told otherwise: ``wandb`` under ``wandb/`` unless ``WANDB_API_KEY``, a netrc login or ``WANDB_MODE``
+(``WANDB_DIR`` moves it); ``swanlab`` under ``swanlog/`` unless ``SWANLAB_API_KEY``, a login or ``SWANLAB_MODE``
+(``SWANLAB_LOG_DIR`` or EasyR1's ``SWANLAB_DIR`` moves it); ``mlflow`` the file store ``mlruns/`` unless
+``MLFLOW_TRACKING_URI``, in the experiment ``MLFLOW_EXPERIMENT_NAME`` or the project name."""
 
 from __future__ import annotations
 

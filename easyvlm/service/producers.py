@@ -1,12 +1,8 @@
-"""The rollout service's asynchronous producers (``worker.rollout.max_staleness: k >= 1``): a thread
-keeps the separate engines generating while the trainer updates, and never hands out a sample
-whose oldest token was sampled more than k updates before the weights it trains on.
-`BatchesAhead` (default) makes whole batches, step d's with the weights of version exactly
-d - 1 - k (seeded runs reproducible; k = 1: verl's one-step-off); `GroupStream`
-(``partial_rollout: true``) streams prompt groups, each token keeping its version. Both draw no
-prompt past the next checkpoint's step until it is saved, and restart a dead engine.
-See docs/rollout.md, "Separate placement and asynchronous rollout".
-"""
+"""The asynchronous producers (``worker.rollout.max_staleness: k >= 1``): a thread keeps the separate
+engines generating while the trainer updates, never handing out a sample whose oldest token is more than
+k updates older than the weights it trains on. `BatchesAhead` (default): whole batches, step d's on
+version exactly d - 1 - k (k = 1: verl's one-step-off); `GroupStream` (``partial_rollout``): streamed
+prompt groups, each token keeping its version. docs/rollout.md, "Separate placement and asynchronous rollout"."""
 
 from __future__ import annotations
 
@@ -239,9 +235,8 @@ class GroupStream(Producer):
         self.versions.engines_hold(version)
 
     def _on_each(self, hosts: Any, call: Callable[[int], Any]) -> list[tuple[int, Any]]:
-        """``call(host)`` (a Ray call) on each engine, their answers; an engine whose process died
-        or stopped answering is restarted and given its unfinished groups again (`_recover`), and
-        answers nothing."""
+        """``call(host)`` (a Ray call) on each engine, their answers; an engine that died or stopped answering is
+        restarted, given its unfinished groups again (`_recover`), and answers nothing."""
         refs = []
         for host in hosts:
             try:

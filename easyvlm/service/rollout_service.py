@@ -1,8 +1,5 @@
-"""The rollout service: the one owner of generation and of the policy's version (`PolicyVersions`:
-training steps done). The trainer asks it for each step's batch (``next_batch``) and tells it when a
-step is done (``step_done``), whatever the placement: colocated, separate, or asynchronous
-(``easyvlm.service.producers``); docs/rollout.md, "Separate placement and asynchronous rollout".
-"""
+"""The rollout service: the one owner of generation and of the policy's version (`PolicyVersions`: training
+steps done), whatever the placement; docs/rollout.md, "Separate placement and asynchronous rollout"."""
 
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ from easyvlm.workers.weight_transfer import BUCKET_BYTES, Rendezvous
 logger = logging.getLogger("easyvlm")
 # how often a generation call is retried after its engine process died (and was restarted)
 ENGINE_RESTARTS = 3
+TRANSFER_GROUP_TRIES = 3  # syncs that try to form the weight-transfer group (auto) before the Ray objects serve for good
 
 
 class RolloutService:
@@ -40,8 +38,7 @@ class RolloutService:
 
     def __init__(self, plan: RunPlan, actor: WorkerGroup, engines: WorkerGroup | None, scorer: Scorer,
                  loader: PromptDataLoader, total_steps: int, encoder: Any):
-        """``actor``: the hybrid group (the actor's ranks, colocated engines); ``engines``: the
-        separate rollout group, or None."""
+        """``actor``: the hybrid group (the actor's ranks, colocated engines); ``engines``: the separate group, or None."""
         self.spec = spec = plan.driver.rounds
         self.actor, self.engines = actor, engines
         self.scorer, self.loader, self.total_steps = scorer, loader, total_steps
@@ -64,13 +61,23 @@ class RolloutService:
         self._refreshing = False  # in the producer's multi-turn generation (turn_refresh)
         self._calls = 0  # engine calls of that generation so far
         self._sync_bytes = 0.0  # bytes one engine took since the last step's metrics
-        # separate synchronous engines take the weights by a collective from the actor's rank 0, in a group
-        # formed at the first sync and again after an engine restart; asynchronous ones, published Ray objects
-        self.collective = engines is not None and self.producer is None
+        # worker.rollout.weight_transfer: separate synchronous engines take the weights by a collective from the
+        # actor's rank 0 (unless object_store), in a group formed at the first sync and again after an engine
+        # restart; asynchronous ones, published Ray objects
+        self.weight_transfer = spec.placement.weight_transfer
+        self.collective = engines is not None and spec.placement.by_collective
         self._transfer: Rendezvous | None = None
+        self._group_failures = 0  # syncs whose group did not form (auto: tried again, TRANSFER_GROUP_TRIES in all)
+        # LoRA served unmerged by separate engines: the base weights once (again after an engine restart), then
+        # the adapters at every sync
+        self.serves_adapter = engines is not None and plan.rollout.engine.lora is not None
+        self._base_sent = False
         if engines is not None:
-            logger.info("easyvlm: separate rollout engines take the weights %s", "by a collective broadcast from the "
-                        "actor's rank 0" if self.collective else "as Ray objects (asynchronous: published per version)")
+            how = ("by a collective broadcast from the actor's rank 0" if self.collective else
+                   "as Ray objects (asynchronous: published per version)" if self.producer is not None else
+                   "as Ray objects")
+            logger.info("easyvlm: separate rollout engines take the weights %s (worker.rollout.weight_transfer=%s)",
+                        how, self.weight_transfer)
 
     @property
     def asynchronous(self) -> bool:
@@ -198,8 +205,7 @@ class RolloutService:
         raise AssertionError("unreachable")
 
     def restart_dead_engines(self) -> list[int]:
-        """Restart the rollout ranks that died or stopped answering; returns their ranks (they hold
-        the model files' weights until the next sync)."""
+        """Restart the rollout ranks that died or stopped answering; returns their ranks (on file weights until a sync)."""
         group = self.engines
         dead = [rank for rank in range(len(group.workers)) if not group.responds(rank)]
         for rank in dead:
@@ -208,6 +214,7 @@ class RolloutService:
         if dead:
             self.versions.engines_lost()
             self._transfer = None  # the group lost a member: formed again, with the new one, at the next sync
+            self._base_sent = False  # a new engine holds the file's weights: adapters need their base again
         return dead
 
     def note_restart(self, rank: int) -> None:
@@ -238,9 +245,12 @@ class RolloutService:
             self._broadcast_weights()
             self.versions.engines_hold(version)
         elif self.producer is None:
-            refs = self.actor.call_all_async("weights_for_sync")
-            self._sync_bytes += float(self.engines.call_all("load_weights", refs[0])[0] or 0)  # bytes per engine
+            method, args, load = ("adapter_for_sync", (not self._base_sent,), "load_adapter") if self.serves_adapter \
+                else ("weights_for_sync", (), "load_weights")
+            refs = self.actor.call_all_async(method, *args)
+            self._sync_bytes += float(self.engines.call_all(load, refs[0])[0] or 0)  # bytes per engine
             ray.get(refs[1:])
+            self._base_sent = True
             self.versions.engines_hold(version)
         else:
             if not self.versions.published(version):  # the last step's weights, for validation (the main thread)
@@ -248,9 +258,8 @@ class RolloutService:
             self.producer.send_weights(version)
 
     def _form_transfer_group(self) -> bool:
-        """Form the weight-transfer group of the actor's rank 0 (the sender, on a free port of its node)
-        and every engine; False, with the reason logged, where it cannot form (then the Ray-object path
-        serves the run)."""
+        """Form the weight-transfer group of the actor's rank 0 (the sender, on a free port of its node) and every
+        engine; False, with the reason logged, where it cannot form (the Ray-object path then serves the run)."""
         meet = None
         try:
             sender = self.actor.workers[0]
@@ -264,19 +273,31 @@ class RolloutService:
         except RayActorError:
             raise  # a dead engine: restarted by the caller, and the group formed again
         except Exception as error:  # noqa: BLE001 - the object store still works
-            logger.warning("easyvlm: the weight-transfer group (%s) did not form (%s: %s); the separate engines take "
-                           "the weights as Ray objects from now on", meet, type(error).__name__, error)
-            self.collective = False
+            if self.weight_transfer == "collective":
+                raise RuntimeError(f"worker.rollout.weight_transfer=collective: the weight-transfer group ({meet}) did "
+                                   f"not form ({type(error).__name__}: {error}); set weight_transfer=auto to fall back "
+                                   "to Ray objects, or object_store") from error
+            self._group_failures += 1
+            self.collective = self._group_failures < TRANSFER_GROUP_TRIES  # e.g. a port taken between choice and bind
+            logger.warning("easyvlm: the weight-transfer group (%s) did not form (%s: %s, %d of %d tries); the separate "
+                           "engines take the weights as Ray objects %s", meet, type(error).__name__, error,
+                           self._group_failures, TRANSFER_GROUP_TRIES,
+                           "this sync (tried again at the next)" if self.collective else "from now on")
             return False
         self._transfer = meet
         return True
 
     def _broadcast_weights(self) -> None:
         """The actor's weights to every engine through the transfer group, in buckets (BUCKET_BYTES)."""
-        sends = self.actor.call_all_async("send_weights", BUCKET_BYTES)
-        receives = list(enumerate(self.engines.call_all_async("receive_weights")))
+        if self.serves_adapter:
+            sends = self.actor.call_all_async("send_adapter", BUCKET_BYTES, not self._base_sent)
+            receives = list(enumerate(self.engines.call_all_async("receive_adapter", not self._base_sent)))
+        else:
+            sends = self.actor.call_all_async("send_weights", BUCKET_BYTES)
+            receives = list(enumerate(self.engines.call_all_async("receive_weights")))
         try:
             self._sync_bytes += float(self._settled(sends, receives)[0])
+            self._base_sent = True
         except Exception:
             self._transfer = None  # broken for all: formed again at the next sync
             raise

@@ -1,6 +1,5 @@
-"""One step's generation rounds, with DAPO's online filtering, seeded per call (the rollout
-service runs them for every placement but the streamed one); the rounds' batches and rewards
-joined into the step's."""
+"""One step's generation rounds (every placement but the streamed one), seeded per call, with DAPO's online
+filtering; the rounds' batches and rewards joined into the step's."""
 
 from __future__ import annotations
 
@@ -43,10 +42,9 @@ class GenerationRounds:
 
     def generate(self, prompts: Batch, metrics: dict[str, float], step: int,
                  engine: Callable[[Batch], Batch]) -> tuple[Batch, Any]:
-        """The batch and its reward: Ray refs of the rounds' results, or the result itself when
-        online filtering needed it. ``engine(prompts)`` generates one round. With online filtering
-        (DAPO's dynamic sampling) only groups inside (filter_low, filter_high) are kept, for at most
-        ``trainer.max_try_make_batch`` rounds (`OnlineFilterError` past them)."""
+        """The batch and its reward: Ray refs of the rounds' results, or the result itself where online filtering
+        needed it; ``engine(prompts)`` generates one round. Online filtering (DAPO's dynamic sampling) keeps groups inside
+        (filter_low, filter_high), for at most ``trainer.max_try_make_batch`` rounds (`OnlineFilterError` past them)."""
         spec, filtering = self.spec, self.spec.filtering
         wanted = spec.prompt_groups
         kept: list[Batch] = []

@@ -1,6 +1,4 @@
-"""Pure functions the driver loop uses between worker calls: group ids, rewards on the last
-token, the step's token count (online filtering and the joining of generation rounds:
-``easyvlm.service.rounds``)."""
+"""Pure functions the driver loop uses between worker calls."""
 
 from __future__ import annotations
 

@@ -51,9 +51,9 @@ class Trainer:
         resume_from: Path | None = None,
         tracker: Tracker | None = None,
     ):
-        self.plan, self.spec, self.derived = plan, plan.driver, plan.derived
+        self.plan, self.spec = plan, plan.driver
         self.train_loader, self.val_loader = train_loader, val_loader
-        self.total_steps = self.derived.total_steps(len(train_loader.dataset))
+        self.total_steps = self.spec.length.total_steps(len(train_loader.dataset))
         self.resume_from = resume_from
         adv = self.spec.advantage
         self.kl_ctrl = build_kl_controller(adv.kl.kl_type, adv.kl.kl_coef, adv.kl.kl_target, adv.kl.kl_horizon)
@@ -187,7 +187,7 @@ class Trainer:
             out.update(trajectory_metrics(batch[TRAJECTORY_KEY]))
         num_tokens = core.count_tokens(batch["attention_mask"])
         out.update(timing_per_token_metrics(metrics, int(mask.sum()), num_tokens))
-        out.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.derived.world_size))
+        out.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.spec.world_size))
         out["training/global_step"] = float(self.global_step)
         out["training/epoch"] = float(self.train_loader.epoch)
         return out

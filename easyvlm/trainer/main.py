@@ -14,20 +14,20 @@ from typing import Any, Sequence
 
 from easyvlm.config.cli import exit_with_problems
 from easyvlm.config.errors import ConfigError
-from easyvlm.plan.build import RunPlan, build_plan
+from easyvlm.plan.build import RunPlan
 from easyvlm.plan.launch import plan_run, rank_resources, start_ray
 
 EXIT_DATA_ERROR = 2
 
 
-def open_tracker_or_exit(plan: RunPlan, num_train_prompts: int, resume_from: Path | None) -> Any:
+def open_tracker_or_exit(plan: RunPlan, total_steps: int, resume_from: Path | None) -> Any:
     """The run's trackers, opened before Ray starts; one that cannot start exits 2 here."""
     from easyvlm.run.checkpoint import checkpoint_info
     from easyvlm.trainer.loop import open_tracker
 
     start_step = int(checkpoint_info(resume_from)["step"]) if resume_from is not None else 0
     try:
-        return open_tracker(plan, plan.derived.total_steps(num_train_prompts), start_step)
+        return open_tracker(plan, total_steps, start_step)
     except Exception as err:  # noqa: BLE001 - each tracker library raises its own errors
         loggers = ", ".join(plan.driver.records.loggers)
         sys.stderr.write(f"easyvlm: tracker error (trainer.logger: {loggers}): {type(err).__name__}: {err}\n")
@@ -52,18 +52,19 @@ def run(plan: RunPlan) -> dict[str, float]:
 
     try:
         train_loader, val_loader = plan_dataloaders(plan)
-        t = plan.config.trainer
-        resume_from = resume_checkpoint(t.load_checkpoint_path, t.find_last_checkpoint, Path(plan.derived.save_checkpoint_path))
+        total_steps = plan.driver.length.total_steps(len(train_loader.dataset))  # ConfigError: not one step fits
+        d = plan.driver
+        resume_from = resume_checkpoint(d.load_checkpoint_path, d.find_last_checkpoint, Path(d.records.run_dir))
     except (DataError, CheckpointError) as err:
         sys.stderr.write(f"easyvlm: {'data' if isinstance(err, DataError) else 'checkpoint'} error: {err}\n")
         sys.exit(EXIT_DATA_ERROR)
     except ConfigError as err:
         exit_with_problems(err.problems)
-    tracker = open_tracker_or_exit(plan, len(train_loader.dataset), resume_from)
+    tracker = open_tracker_or_exit(plan, total_steps, resume_from)
     try:
         ray = start_ray(plan)
-        if plan.config.trainer.device == "auto" and plan.device == "cpu" and ray.cluster_resources().get("GPU", 0) > 0:
-            plan = build_plan(plan.config, "cuda")  # a GPU cluster joined from a machine without one
+        if plan.for_cuda is not None and ray.cluster_resources().get("GPU", 0) > 0:
+            plan = plan.for_cuda()  # a GPU cluster joined from a machine without one
         trainer = Trainer(plan, train_loader, val_loader, rank_resources(plan), resume_from, tracker=tracker)
     except BaseException:
         tracker.close()

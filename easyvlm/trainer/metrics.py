@@ -1,6 +1,4 @@
-"""Step metrics under EasyR1's names and meanings (``verl/trainer/metrics.py``): timers,
-``reward/*``, ``response_length/*``, ``prompt_length/*``, ``critic/*``, ``timing_per_token_ms/*``,
-``perf/*``. Pure functions over tensors."""
+"""Step metrics under EasyR1's names and meanings (``verl/trainer/metrics.py``), pure functions."""
 
 from __future__ import annotations
 
@@ -23,10 +21,8 @@ def _stats(prefix: str, values: Tensor) -> dict[str, float]:
 def response_metrics(
     response_mask: Tensor, prompt_mask: Tensor | None, max_response_length: int, max_prompt_length: int | None = None
 ) -> dict[str, float]:
-    """response_length/{mean,max,min,clip_ratio} and prompt_length/{mean,max,min[,clip_ratio]} from
-    response_mask (B, T) and prompt_mask (B, P) or None, bool. A clip_ratio is the share of lengths
-    at the limit (EasyR1's: cut, or just fit); the prompt's only when ``max_prompt_length`` is given.
-    """
+    """response_length/{mean,max,min,clip_ratio} and prompt_length/* from bool masks (B, T), (B, P) or
+    None. clip_ratio: the share of lengths at the limit (EasyR1's); the prompt's with ``max_prompt_length``."""
     lengths = response_mask.sum(-1)
     metrics = _stats("response_length", lengths)
     metrics["response_length/clip_ratio"] = (lengths >= max_response_length).float().mean().item()
@@ -46,11 +42,9 @@ def data_metrics(
     response_mask: Tensor,
     values: Tensor | None = None,
 ) -> dict[str, float]:
-    """EasyR1's ``critic/*`` data metrics of one training batch. seq_scores: (B,) ``overall``;
-    token_rewards (after an in-reward KL), advantages, returns, values (or None): (B, T), stats over
-    valid tokens of response_mask (B, T) bool; ``critic/rewards/*`` over per-sequence sums. With
-    values, ``critic/vf_explained_var`` = 1 - Var(returns - values) / (Var(returns) + 1e-5) (EasyR1).
-    """
+    """EasyR1's ``critic/*`` data metrics of one training batch: (B, T) tensors (or None) over the valid
+    tokens of ``response_mask``, ``critic/rewards/*`` over per-sequence sums; with values,
+    ``critic/vf_explained_var`` = 1 - Var(returns - values) / (Var(returns) + 1e-5)."""
     check_mask(response_mask, token_rewards)
     metrics = _stats("critic/score", seq_scores)
     # where, not a product: NaN stored at a padding position must not reach a sum
@@ -74,9 +68,7 @@ TOTAL_TOKEN_SECTIONS = ("old", "ref", "teacher", "values", "adv", "update_critic
 
 def timing_per_token_metrics(timings: Mapping[str, float], num_response_tokens: int, num_total_tokens: int) -> dict[str, float]:
     """``timing_per_token_ms/<section>`` = 1000 * ``timings["timing_s/<section>"]`` / its tokens
-    (valid response tokens for generation and reward, prompt + response for the passes).
-    Sections that did not run or saw no token, and timers EasyR1 lacks, are left out.
-    """
+    (response tokens for generation and reward, all for the passes); EasyR1's timers that ran only."""
     tokens = {**dict.fromkeys(RESPONSE_TOKEN_SECTIONS, num_response_tokens), **dict.fromkeys(TOTAL_TOKEN_SECTIONS, num_total_tokens)}
     return {
         f"timing_per_token_ms/{name}": 1000.0 * timings[f"timing_s/{name}"] / count

@@ -23,8 +23,7 @@ from easyvlm.workers.hybrid import HybridWorker
 
 
 class Workers:
-    """The reward actor, the hybrid group (actor, reference model and, colocated, the engines), the
-    separate rollout group, the critic, the reward model group and the judge's engines of one run."""
+    """The Ray actors and worker groups of one run."""
 
     def __init__(self, plan: RunPlan, resources: Resources | None, total_steps: int):
         self.reward_actor = create_reward_actor(plan.reward, plan.driver.reward_num_cpus)
@@ -72,9 +71,8 @@ class Workers:
         return placement_report(groups, {"reward actor": ray.get(self.reward_actor.node.remote())}, nnodes)
 
     def peak_memory(self, generating_ahead: bool) -> dict[str, float]:
-        """``perf/peak_rss_gb/<process>`` (driver, each group's largest rank, reward actor) and, on
-        GPUs, ``perf/max_memory_{allocated,reserved}_gb/<group>``. With ``generating_ahead`` the
-        rollout group and reward actor are not waited for: their last answer is logged."""
+        """``perf/peak_rss_gb/<process>`` and, on GPUs, ``perf/max_memory_*_gb/<group>``. With
+        ``generating_ahead`` the busy rollout group and reward actor log their last answer."""
         groups = {"hybrid": self.hybrid, "critic": self.critic, "reward_model": self.reward_model,
                   "rollout": self.rollout_group}
         asked = {("rss", "reward"): ([self.reward_actor], "peak_rss")}  # (kind, process): (actors, their method)

@@ -1,6 +1,5 @@
-"""The easyvlm cache, ``$EASYVLM_CACHE`` (default ``~/.cache/easyvlm``) / ``<kind>`` / ``<name>-<version>``, and
-an atomic build-once: an entry appears in one ``os.rename``, so readers never see half of one and
-concurrent builders both succeed."""
+"""The easyvlm cache (``<root>/<kind>/<name>-<version>``) and an atomic build-once: an entry appears in
+one ``os.rename``, so readers never see half of one and concurrent builders both succeed."""
 
 from __future__ import annotations
 
@@ -45,7 +44,6 @@ def build_once(target: Path, build: Callable[[Path], None]) -> Path:
 
 
 def same_entry_here(entry: str | os.PathLike) -> Path:
-    """Another machine's cache entry ``<root>/<kind>/<name>`` in this machine's cache (names say what they
-    hold, so only the root differs)."""
+    """Another machine's cache entry ``<root>/<kind>/<name>`` under this machine's root."""
     entry = Path(entry)
     return cache_root() / entry.parent.name / entry.name

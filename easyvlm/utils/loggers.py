@@ -1,7 +1,5 @@
-"""The trackers' optional packages: which logger needs which module, and which of them are not
-installed (``importlib.util.find_spec``: nothing is imported). The config check refuses a missing
-one before anything starts; the tracker (``easyvlm.run.tracking``) raises the same message when
-built directly."""
+"""The trackers' optional packages and which of them are not installed (nothing is imported), for
+the config check and the tracker."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Peak memory of the calling process (no torch, no Ray; each process answers in its own) and the step
-metrics the driver makes of every process's answer: ``perf/peak_rss_gb/<process>`` and, on GPUs,
-EasyR1's ``perf/max_memory_{allocated,reserved}_gb/<group>``."""
+"""Peak memory of the calling process (no torch, no Ray) and the driver's ``perf/*`` memory metrics."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ def peak_rss_bytes() -> int:
 
 
 def peak_rss_metrics(peaks: Mapping[str, int | Sequence[int]]) -> dict[str, float]:
-    """``perf/peak_rss_gb/<name>`` in GiB; ``peaks``: name -> bytes, or a worker group -> its ranks' bytes (the
-    largest is logged)."""
+    """``perf/peak_rss_gb/<name>`` in GiB; ``peaks``: name -> bytes, or a group -> its ranks' (largest logged)."""
     out = {}
     for name, value in peaks.items():
         values = [value] if isinstance(value, int) else list(value)
@@ -50,8 +47,7 @@ def cuda_peak_bytes() -> tuple[int, int] | None:
 
 
 def cuda_peak_metrics(peaks: Mapping[str, Sequence[tuple[int, int] | None]]) -> dict[str, float]:
-    """EasyR1's CUDA peak keys per worker group, the largest rank's, in GiB; a group without CUDA gets no
-    keys (absent, not 0)."""
+    """EasyR1's CUDA peak keys per worker group (largest rank, GiB); none for a group without CUDA."""
     out = {}
     for name, answers in peaks.items():
         known = [a for a in answers if a is not None]

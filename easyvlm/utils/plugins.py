@@ -1,6 +1,5 @@
-"""Load a user function given as ``path/to/file.py:func`` (EasyR1's format; without ``:func``, ``default_name``).
-The driver resolves the path (:func:`resolve_plugin_spec`) and ships the file's text with it
-(:func:`read_plugin_source`), so a worker on another node or directory needs no copy of the file."""
+"""Load a user function given as ``path/to/file.py:func`` (EasyR1's format). The driver ships the
+file's text with the resolved spec, so a worker elsewhere needs no copy of the file."""
 
 from __future__ import annotations
 

@@ -141,8 +141,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, reading non-tensor items with ``weights_only=True`` and handing the default
-    implementation our own re-saved bytes."""
+    """DCP's default planner, reading non-tensor items with ``weights_only=True``."""
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:

@@ -1,19 +1,6 @@
-"""The rollout viewer's files: a JSONL and a static HTML page per step, and an index across steps.
-
-    <rollouts>/step_<N>.jsonl      one RolloutSample per line (easyvlm.viewer.records)
-    <rollouts>/step_<N>.html       the page: opens from the file system, no server, no network
-    <rollouts>/val_step_<N>.*      the validation at step N (eval pages: eval_<name>.*)
-    <rollouts>/media/<hash>.png    the prompts' images and video frames, shared across pages
-    <rollouts>/pages.jsonl         one summary line per page written (the index's source)
-    <rollouts>/index.html          every page, with its mean reward and accuracy
-
-Everything shown comes from the model or the data, so nothing of it is ever parsed as HTML: the
-records travel as JSON inside a ``<script type="application/json">`` element (with ``<``, ``>``
-and ``&`` escaped, so no text can close it), and the page's own script puts every string into the
-document with ``textContent``. A Content-Security-Policy allows only the page's own script and
-style (by hash) and images from the rollouts directory, so even a mistake there could not load or
-run anything else.
-"""
+"""The rollout viewer's files: a JSONL and a static HTML page per step, and an index across steps
+(docs/viewer.md). Nothing shown is ever parsed as HTML: records travel as escaped JSON and go into
+the page with ``textContent``, under a strict Content-Security-Policy (docs/viewer.md, "Safety")."""
 
 from __future__ import annotations
 
@@ -31,8 +18,8 @@ ASSETS = Path(__file__).parent / "assets"
 
 
 def write_page(samples: Sequence[RolloutSample], root: Path, name: str, title: str) -> Path:
-    """Write ``root/<name>.jsonl`` and ``root/<name>.html``, record the page and rewrite
-    ``root/index.html``; returns the HTML page's path. Files are replaced atomically."""
+    """Write ``root/<name>.jsonl`` and ``.html`` and rewrite ``root/index.html``, each atomically;
+    returns the HTML page's path."""
     root.mkdir(parents=True, exist_ok=True)
     _write(root / f"{name}.jsonl", "".join(sample_to_json(s) + "\n" for s in samples))
     page = root / f"{name}.html"
@@ -64,8 +51,8 @@ def page_summary(samples: Sequence[RolloutSample], name: str, title: str) -> dic
 
 
 def read_page_summaries(root: Path) -> list[dict[str, Any]]:
-    """The pages of ``root``, one per name (the last written wins: a resumed run rewrites the steps
-    after its checkpoint), training and validation pages by step, evaluations last."""
+    """The pages of ``root``, one per name (the last written wins: a resumed run rewrites steps), by step,
+    evaluations last."""
     path = root / PAGES_FILE
     by_name: dict[str, dict[str, Any]] = {}
     if path.exists():
@@ -116,8 +103,7 @@ def _render(kind: str, title: str, data: dict[str, Any]) -> str:
 
 
 def script_json(data: Any) -> str:
-    """JSON that is safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and the JavaScript line
-    separators escaped as ``\\uXXXX`` (still the same JSON), so no string can end the element."""
+    """JSON safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and JS line separators as ``\\uXXXX``."""
     text = json.dumps(data, ensure_ascii=False)
     for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
         text = text.replace(char, escaped)

@@ -1,16 +1,6 @@
-"""What the rollout viewer records: one ``RolloutSample`` per sampled response, one JSON line each.
-
-A step's rollouts are captured in the driver in two parts, so that the training step pays only for
-the first:
-
-1. ``capture_rollouts`` (on the step's path, cheap): the tensors the viewer needs, as plain lists,
-   and the media of one row per prompt group (the n samples of a prompt share them);
-2. ``build_samples`` (in the viewer's writer thread): responses and token strings decoded, media saved as PNG
-   files under ``<rollouts>/media/`` (named by content hash, so an image seen at every step is
-   stored once), and the records assembled.
-
-Rows of ``step_<N>.jsonl`` (and ``val_step_<N>.jsonl``) are ``dataclasses.asdict(RolloutSample)``.
-"""
+"""What the rollout viewer records: one ``RolloutSample`` per sampled response, one JSON line each
+(docs/viewer.md, "The JSONL rows"). ``capture_rollouts`` runs on the training step's path (plain
+lists, no decoding); ``build_samples`` decodes and saves media in the writer thread."""
 
 from __future__ import annotations
 
@@ -40,38 +30,26 @@ class RolloutSample:
     uid: str
     """The prompt group: the n samples of one prompt share it."""
     index: int
-    """Sample j (0..n-1) of its group."""
     prompt: str
     """The prompt text as the model saw it (format prompt and chat template applied)."""
     images: list[str]
-    """The prompt's images: PNG files relative to the rollouts directory."""
+    """PNG files relative to the rollouts directory (``videos``: a few frames of each)."""
     videos: list[list[str]]
-    """The prompt's videos: a few of each video's frames (PNG files, relative)."""
     response: str
     ground_truth: str
     reward: float
-    """The overall reward (``reward/overall``)."""
     scores: dict[str, float]
-    """Every key the reward function returned for this sample (``overall`` included)."""
     advantage: float | None
-    """The sample's advantage on its first response token (GRPO-like estimators give every token
-    the same); None where no advantage was computed (validation)."""
+    """The advantage on the first response token; None where none was computed (validation)."""
     response_length: int
     tokens: list[str]
     """The response's tokens, each decoded alone (a character split across tokens shows as U+FFFD)."""
     logprobs: list[float]
-    """Log-prob of each token under the distribution it was sampled from (the rollout engine's)."""
     turns: list[dict] = dataclasses.field(default_factory=list)
-    """Multi-turn samples (tools, environments): the turns after the prompt, ``{"role", "content",
-    "images"}`` (the images a tool or observation returned, PNG files, relative); [] otherwise."""
+    """Multi-turn samples: the turns after the prompt, ``{"role", "content", "images"}``; [] otherwise."""
     steps: list[dict] = dataclasses.field(default_factory=list)
-    """Environment episodes: one entry per model turn (a step), ``{"screenshot", "size", "action",
-    "click", "reward", "advantage", "reply"}``: the last image the model saw before acting (a PNG
-    file, relative; None if none) and its [width, height], the turn's text, where it clicked
-    (``{"x", "y"}`` in the screenshot's pixels for ``click(X, Y)``, ``{"label"}`` for ``click(N)``,
-    None for anything else; easyvlm.agents.gui's grammar), the step's reward, the advantage on the
-    turn's first token (None in validation) and the environment's answer (None after the last
-    step); [] for single-turn and tool samples."""
+    """Environment episodes, per model turn: ``{"screenshot", "size", "action", "click", "reward",
+    "advantage", "reply"}`` (docs/viewer.md); [] for single-turn and tool samples."""
 
 
 @dataclass
@@ -93,13 +71,11 @@ class RolloutCapture:
     trajectories: list[dict] | None = None
     """Multi-turn batches: each sample's ``trajectory`` (easyvlm.agents.loop), else None."""
     step_values: list[list[tuple[float, float | None]]] | None = None
-    """Environment batches: per sample, per step column (``worker.rollout.max_turns`` of them), (its
-    reward, the advantage on its first token or None), else None."""
+    """Environment batches: :func:`capture_steps`, else None."""
 
 
 def capture_rollouts(step: int, split: str, batch: Any, scores: dict[str, list[float]], overall: Sequence[float]) -> RolloutCapture:
-    """Take what the viewer needs from a rollout ``Batch`` (easyvlm.data.batch) and its reward
-    (``RewardResult.scores`` and ``.overall``): references and plain lists, no decoding."""
+    """What the viewer needs from a rollout ``Batch`` and its reward: plain lists, no decoding."""
     mask = batch["response_mask"].bool()
     responses = batch["responses"]
     token_ids = [responses[i][mask[i]].tolist() for i in range(len(batch))]
@@ -202,8 +178,7 @@ def _turns(trajectory: dict, root: Path) -> list[dict]:
 
 def _steps(turns: list[dict], prompt_paths: list[str], prompt_images: list[Any], trajectory: dict,
            values: list[tuple[float, float | None]], root: Path) -> list[dict]:
-    """An episode's steps: each model turn with the screenshot it acted on (the prompt's last image,
-    then each observation's last), where it clicked, its reward and advantage, and the reply."""
+    """An episode's steps (``RolloutSample.steps``); the screenshot is the last image before each turn."""
     sizes = dict(zip(prompt_paths, (list(image.size) for image in prompt_images)))
     returned = iter(trajectory.get("images", []))
     for turn in turns:  # the observations' images, in the order _turns saved them
@@ -268,8 +243,7 @@ def _frame_image(frame: Any) -> Any:
 
 
 def is_correct(scores: dict[str, float]) -> bool:
-    """A sample is correct when its ``accuracy`` (else its ``overall``) reward is full (>= 1):
-    EasyR1's reward files score accuracy 0 or 1; a partial score (an IoU, say) is not correct."""
+    """Whether the ``accuracy`` (else ``overall``) reward is full (>= 1): a partial score is not correct."""
     value = scores.get("accuracy", scores.get("overall", 0.0))
     return isinstance(value, (int, float)) and value >= 1.0 - 1e-6
 

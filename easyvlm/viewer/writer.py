@@ -1,13 +1,6 @@
-"""``RolloutWriter``: writes viewer pages in a background thread of the driver.
-
-The training step only captures its rollouts (``records.capture_rollouts``: references and plain
-lists); decoding tokens, encoding PNGs and rendering HTML happen here, while the workers run the
-next step. The queue holds at most ``MAX_PENDING`` pages: if pages ever took longer to write than a
-step to train, the step would wait rather than memory grow.
-
-A page that fails to write (a full disk, say) is reported on stderr and skipped; training goes on,
-and ``close`` says how many pages were lost.
-"""
+"""``RolloutWriter``: writes viewer pages in a background thread of the driver, off the training
+step's path. At most ``MAX_PENDING`` pages wait (then the step waits, rather than memory grow); a page
+that fails to write is reported on stderr and skipped, and ``close`` counts the lost ones."""
 
 from __future__ import annotations
 

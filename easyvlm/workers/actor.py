@@ -1,6 +1,5 @@
 """The actor: the policy model under FSDP2; old log-probs, PPO-style updates, weight sync, checkpoints.
-The update is ``easyvlm.workers.update``'s loop with the actor's micro-batch loss: policy loss
-[+ kl_coef * KL loss] [- entropy_coeff * entropy], each aggregated with the mini-batch normaliser."""
+Micro-batch loss: policy loss [+ kl_coef * KL loss] [- entropy_coeff * entropy]."""
 
 from __future__ import annotations
 
@@ -40,16 +39,13 @@ logger = logging.getLogger(__name__)
 
 
 def update_is_on_policy(optimizer_steps_per_step: int, kl_in_reward: bool) -> bool:
-    """Whether a trainer step may skip computing ``old_logprobs``: with one optimizer step per trainer
-    step the update's only forward pass runs with the weights it starts from, so its detached
-    log-probs are the old ones (every ratio starts at 1, as in TRL's GRPOTrainer). Not when the KL
-    penalty is in the reward, which reads ``old_logprobs`` before the update."""
+    """Whether a step may skip ``old_logprobs``: with one optimizer step per step the update's detached
+    log-probs are the old ones (ratio 1, as in TRL's GRPOTrainer); not with the KL penalty in the reward."""
     return optimizer_steps_per_step == 1 and not kl_in_reward
 
 
 class ActorWorker:
-    """The policy model of one rank, built from the run plan's `ActorSpec` (``update.total_steps``
-    set); rank and world_size of the caller's initialised default process group."""
+    """The policy model of one rank, built from the run plan's `ActorSpec` (``update.total_steps`` set)."""
 
     def __init__(
         self,
@@ -97,8 +93,7 @@ class ActorWorker:
 
     # ------------------------------------------------------------------ experience
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        """``old_logprobs`` (B, T) of ``responses`` under the current policy (+ ``entropies`` (B, T)) as a
-        new Batch; ``batch`` needs input_ids, attention_mask, position_ids, responses."""
+        """A new Batch of ``old_logprobs`` (B, T) of ``responses`` under the current policy (+ ``entropies``)."""
         batch.require("input_ids", "attention_mask", "position_ids", "responses")
         self.trained.ensure_loaded()
         micro = self.spec.forward.experience
@@ -139,10 +134,9 @@ class ActorWorker:
     # ------------------------------------------------------------------ update
     def update_policy(self, batch: Batch, entropy_coeff: float | None = None) -> dict[str, float]:
         """One training step over this rank's samples; returns metrics, the same on every rank
-        (docs/workers.md, "The update"). batch: the compute_logprobs inputs plus ``response_mask``,
-        ``advantages``, ``old_logprobs`` (optional when :func:`update_is_on_policy`) and, with the KL loss,
-        ``ref_logprobs``. entropy_coeff: the adaptive controller's (None: the spec's); when given, the
-        metrics carry ``actor/entropy`` for it."""
+        (docs/workers.md, "The update"). batch needs ``response_mask``, ``advantages``, ``old_logprobs``
+        (unless :func:`update_is_on_policy`) and, with the KL loss, ``ref_logprobs``. entropy_coeff: the
+        adaptive controller's (None: the spec's)."""
         kl, distill = self.spec.kl_loss, self.spec.distill
         batch.require(*POLICY_UPDATE_KEYS, *(("ref_logprobs",) if kl is not None and kl.kl_penalty != "full" else ()),
                       *(("teacher_logprobs",) if distill is not None else ()))
@@ -228,9 +222,7 @@ class ActorWorker:
 
     def _distill_loss(self, micro: Batch, outputs: dict[str, Tensor], mask: Tensor, normalizer: float,
                       old_logprobs: Tensor, rollout_is_weights: Tensor | None) -> tuple[Tensor, dict[str, float]]:
-        """On-policy distillation's loss on a micro-batch, unscaled (``easyvlm.algorithms.distill``): the
-        exact reverse KL with ``distill_full_kl``, else the importance-weighted one-sample surrogate;
-        plus its ``distill/*`` metrics."""
+        """On-policy distillation's unscaled micro-batch loss (``easyvlm.algorithms.distill``) and metrics."""
         mode = self.spec.update.loss_avg_mode
         teacher = micro["teacher_logprobs"].to(self.device)
         if self.spec.distill.distill_full_kl:
@@ -249,14 +241,12 @@ class ActorWorker:
 
     # ------------------------------------------------------------------ weights
     def state_dict_for_sync(self) -> dict[str, Tensor]:
-        """Full weights with in-memory transformers names (LoRA merged), on the CPU, on every rank; what
-        vLLM's ``reload_weights`` takes. Collective."""
+        """Full weights, in-memory transformers names (LoRA merged), on the CPU, on every rank. Collective."""
         self.trained.ensure_loaded()
         return gather_full_state_dict(self.model)
 
     def iter_weights_for_sync(self, device: torch.device | str) -> Iterator[tuple[str, Tensor]]:
-        """:meth:`state_dict_for_sync` a tensor at a time on ``device`` (the hybrid worker's engine: no host
-        round trip on a GPU). Collective: consume it whole."""
+        """:meth:`state_dict_for_sync` a tensor at a time on ``device``. Collective: consume it whole."""
         self.trained.ensure_loaded()
         return iter_full_state_dict(self.model, device)
 
@@ -269,8 +259,7 @@ class ActorWorker:
         self.trained.load(path, self.rank)
 
     def export_hf(self, path: str | os.PathLike) -> None:
-        """Write a model directory (weights, config, tokenizer, processor) that transformers and vLLM load.
-        Collective; rank 0 writes."""
+        """Write a model directory that transformers and vLLM load. Collective; rank 0 writes."""
         self.trained.ensure_loaded()
         state = gather_full_state_dict(self.model)
         if self.rank == 0:
@@ -285,8 +274,7 @@ class ActorWorker:
 
 
 def export_hf_model(state: dict[str, Tensor], hf_config: Any, files: ModelBundle, path: str | os.PathLike) -> None:
-    """Save ``state`` (full, in-memory names) as a transformers model of ``hf_config``'s class,
-    plus the policy's tokenizer, processor and generation config."""
+    """Save ``state`` (full, in-memory names) as a transformers model with the policy's tokenizer files."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto_cls = AutoModelForImageTextToText if is_vision_language_config(hf_config) else AutoModelForCausalLM

@@ -1,6 +1,5 @@
 """The critic: a value model under FSDP2 for GAE (``values``) and its clipped value-loss update. The
-value of response token t is read at position P - 1 + t, the state before it (as in EasyR1 and
-verl); Qwen-VL families get ``models.loading.ValueHeadModel`` (no token-classification class)."""
+value of response token t is read at position P - 1 + t, the state before it (as in EasyR1 and verl)."""
 
 from __future__ import annotations
 

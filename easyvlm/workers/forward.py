@@ -1,7 +1,6 @@
-"""Forward passes shared by the actor, reference and critic: model inputs from a Batch (padded or
-packed), outputs at the positions predicting response tokens (P - 1 + t for token t; 0 at padding),
-log-probs of the rollout's sampling distribution (logits / temperature, ``blocked_token_ids`` at
--inf), micro-batching. Under Ulysses every rank returns the same (B, T) tensors as without it."""
+"""Forward passes shared by the actor, reference and critic: outputs at the positions predicting
+response tokens (padded or packed), log-probs of the rollout's sampling distribution, micro-batching.
+Under Ulysses every rank returns the same (B, T) tensors as without it."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ class ForwardSetup:
     device: torch.device
     padding_free: bool
     blocked_token_ids: tuple[int, ...] = ()
-    """The ids the rollout never samples (policy roles; ``easyvlm.rollout.tokens.blocked_token_ids``)."""
+    """The ids the rollout never samples (policy roles), at -inf in the sampling distribution."""
     temperature: float = 1.0
     share_prompts: bool = False
     """Padding-free only: consecutive rows with the same prompt and images run the prompt once."""
@@ -62,10 +61,9 @@ class ForwardSetup:
     """This rank's sequence-parallel group (padding-free only), or None."""
     use_torch_compile: bool = False
     routing: RoutingState | None = None
-    """MoE models: the routers' shared state (``easyvlm.workers.routing``); None for dense models."""
+    """MoE models: the routers' shared state; None for dense models."""
     router_replay: str = "disabled"
     keep_router_logits: bool = False
-    """Training passes keep the router logits (the load-balancing loss)."""
     vision_cache: VisionEmbeddingCache | None = None
     """The frozen tower's outputs by image (its hook installed): pixels stay on the host behind keys."""
 
@@ -76,7 +74,7 @@ class ForwardSetup:
         routing: RoutingState | None = None, keep_router_logits: bool = False,
         vision_cache: VisionEmbeddingCache | None = None,
     ) -> "ForwardSetup":
-        """A worker's setup: its ForwardSpec's settings plus what the worker built."""
+        """A worker's setup from its ForwardSpec plus what the worker built."""
         return cls(
             device=device, padding_free=spec.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
             temperature=spec.temperature, share_prompts=spec.share_prompts, dummy_image=dummy_image,
@@ -95,12 +93,9 @@ def response_outputs(
     at_last_token: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Model outputs at the positions predicting the valid response tokens: ``(outputs (K, M), valid
-    (B, T))``, K = valid.sum() in row-major order. batch: ``input_ids``, ``attention_mask`` (B, L),
-    ``position_ids``, ``responses`` (B, T), optionally ``multi_modal_inputs``. The model gives (K, C)
-    (V logits, or 1 value), which ``per_token`` maps to M columns; ``lm_head``: it takes
-    ``logits_to_keep``. Under ``setup.ulysses`` every rank passes the same batch and the (K, M)
-    results are summed over the group: reduce with ``per_token`` first. ``at_last_token`` (a scalar
-    head): each row's last attended token instead, K = B, ``valid`` (B, 1) all True."""
+    (B, T))``, K = valid.sum() in row-major order. ``per_token`` maps the model's (K, C) to M columns;
+    under ``setup.ulysses`` the (K, M) results are summed over the group, so reduce there first.
+    ``at_last_token`` (a scalar head): each row's last attended token instead, K = B."""
     device, padding_free, ulysses = setup.device, setup.padding_free, setup.ulysses
     input_ids = batch["input_ids"].to(device)
     attention_mask = batch["attention_mask"].to(device).bool()
@@ -185,8 +180,7 @@ def _ulysses_outputs(
     sp: UlyssesGroup,
     per_token: PerToken | None,
 ) -> Tensor:
-    """:func:`response_outputs` of a packed row under Ulysses: (K, M) on every rank of ``sp``. ``index``
-    (K,): each valid response position's place in the packed row."""
+    """:func:`response_outputs` of a packed row under Ulysses: (K, M) on every rank of ``sp``."""
     text_config = model.config.get_text_config()
     problem = ulysses_problem(text_config, sp.size, key=f"{_role_key(lm_head)}.ulysses_size")
     if problem:
@@ -215,7 +209,6 @@ def _ulysses_outputs(
 
 
 def _role_key(lm_head: bool) -> str:
-    """The config section of a forward: the policy's (LM head) or the critic's."""
     return "worker.actor" if lm_head else "worker.critic"
 
 
@@ -227,8 +220,7 @@ def scatter_response(values: Tensor, valid: Tensor) -> Tensor:
 
 
 def sampling_logits(logits: Tensor, temperature: float, blocked_token_ids: Sequence[int]) -> Tensor:
-    """(K, V) logits -> (K, V) float32 logits / temperature with ``blocked_token_ids`` at -inf; a new
-    tensor, differentiable."""
+    """(K, V) logits -> a new (K, V) float32 logits / temperature, ``blocked_token_ids`` at -inf."""
     scaled = logits.float() / temperature  # always a new tensor, so filling it in place is safe
     if len(blocked_token_ids):
         ids = torch.as_tensor(list(blocked_token_ids), dtype=torch.long, device=logits.device)
@@ -244,8 +236,8 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
 def token_logprobs_and_entropies(
     logits: Tensor, labels: Tensor, temperature: float, blocked: Tensor, with_entropy: bool
 ) -> Tensor:
-    """The policy's per-token kernel: (K, V) logits, (K,) labels -> (K, 1 | 2) [log-prob of the label,
-    entropy] of softmax(logits / temperature) without the ``blocked`` ids. Differentiable."""
+    """(K, V) logits, (K,) labels -> (K, 1 | 2) [log-prob of the label, entropy] of the sampling
+    distribution (:func:`sampling_logits`)."""
     from easyvlm.algorithms.entropy import entropy_from_logits
 
     scaled = logits.float() / temperature
@@ -259,8 +251,7 @@ def token_logprobs_and_entropies(
 
 @functools.cache
 def token_kernel(compiled: bool) -> Callable[..., Tensor]:
-    """:func:`token_logprobs_and_entropies`, compiled when ``compiled`` (dynamic=True: one graph for every
-    shape). On the CPU inductor needs a C++ compiler."""
+    """:func:`token_logprobs_and_entropies`, compiled (dynamic shapes) when ``compiled``."""
     if not compiled:
         return token_logprobs_and_entropies
     return torch.compile(token_logprobs_and_entropies, dynamic=True)
@@ -308,8 +299,8 @@ def outputs_with_vision(
     per_token: PerToken | None = None,
     at_last_token: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`response_outputs`, after adding ``setup.dummy_image`` to a micro-batch without images or
-    videos (every rank runs the vision tower as often)."""
+    """:func:`response_outputs`, with ``setup.dummy_image`` added to a micro-batch without media (every
+    rank runs the vision tower as often)."""
     B = len(batch)
     if setup.dummy_image is not None:
         batch = with_dummy_image(batch, setup.dummy_image)
@@ -327,11 +318,9 @@ def policy_token_outputs(
     with_entropy: bool,
     full_kl_to: dict[str, Tensor] | None = None,
 ) -> dict[str, Tensor]:
-    """Per-token outputs of the policy's sampling distribution, (B, T) each, 0 at padding,
-    differentiable: ``logprobs`` of ``responses``; ``entropies`` when ``with_entropy``; and for each
-    ``name: log_distribution`` of ``full_kl_to`` (another model's (K, V) log-distribution,
-    :func:`policy_log_distribution`), ``name``: KL(pi || that model) over the vocabulary (over the
-    shared rows when the teacher's output layer has another size: ``kl.kl_full_shared_rows``)."""
+    """Per-token outputs of the policy's sampling distribution, (B, T) each, 0 at padding: ``logprobs``,
+    ``entropies`` when ``with_entropy``, and for each ``name`` of ``full_kl_to`` (another model's
+    (K, V) log-distribution) KL(pi || it) over the vocabulary (``kl.kl_full_shared_rows``)."""
     from easyvlm.algorithms.kl import kl_full_shared_rows
 
     device, temperature = setup.device, setup.temperature
@@ -363,8 +352,7 @@ def policy_logprobs(model: nn.Module, batch: Batch, setup: ForwardSetup, *, with
 
 
 def policy_log_distribution(model: nn.Module, batch: Batch, setup: ForwardSetup) -> Tensor:
-    """(K, V) log-softmax of the sampling distribution at the K valid response positions, -inf at blocked
-    ids, for the full KL (it stays in the worker's process: V floats per token)."""
+    """(K, V) log-softmax of the sampling distribution at the K valid response positions (the full KL)."""
 
     def per_token(logits: Tensor, rows: Tensor) -> Tensor:
         return torch.log_softmax(sampling_logits(logits, setup.temperature, setup.blocked_token_ids), dim=-1)
@@ -384,8 +372,8 @@ def policy_logprobs_for_batch(
     with_entropy: bool,
     after_micro: Callable[[Batch], None] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated, on the CPU;
-    ``after_micro(micro)`` runs after each real micro-batch's forward."""
+    """:func:`policy_logprobs` over micro-batches (as many on every rank), concatenated on the CPU;
+    ``after_micro(micro)`` runs after each real (not padding) micro-batch."""
     from easyvlm.workers.training import equalize_micro_batches
 
     model.eval()

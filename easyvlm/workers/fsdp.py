@@ -1,5 +1,5 @@
-"""FSDP2 wrapping, full state-dict gathering and GPU offload helpers: :func:`fsdp_plan` (pure, so the
-GPU choices are tested on the CPU) and :func:`apply_fsdp`; each key: docs/workers.md, "FSDP2"."""
+"""FSDP2 wrapping (:func:`fsdp_plan`, pure so the GPU choices are tested on the CPU), full state-dict
+gathering and GPU offload; each key: docs/workers.md, "FSDP2"."""
 
 from __future__ import annotations
 
@@ -29,21 +29,20 @@ ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
 @dataclass(frozen=True)
 class FSDPPlan:
-    """What ``apply_fsdp`` does for one role on one machine layout (see :func:`fsdp_plan`)."""
+    """What ``apply_fsdp`` does for one role on one machine layout."""
 
     mesh_shape: tuple[int, ...]
     """(world,) to shard over all ranks, or (replicas, shards) for hybrid sharding."""
     mesh_dim_names: tuple[str, ...]
     """("shard",) or ("replicate", "shard"): FSDP2 replicates over dim 0 of a 2-D mesh, shards over dim 1."""
     param_dtype: torch.dtype | None
-    """Dtype of the gathered parameters in forward and backward; None = the parameters' own."""
+    """Dtype of the gathered parameters (``reduce_dtype``: of the gradient reduction); None = their own."""
     reduce_dtype: torch.dtype | None
-    """Dtype of the gradient reduction; None = the gradients' own."""
     buffer_dtype: torch.dtype | None
     """Floating buffers (rotary frequencies excepted) are cast to it before sharding; None = kept."""
     reshard_after_forward: bool
     cpu_offload: bool
-    """FSDP2 keeps the sharded parameters (and gradients, optimizer states) in CPU memory."""
+    """The sharded parameters, gradients and optimizer states live in CPU memory."""
     rank0_init: bool
     """Only rank 0 reads the weights; the others build on the meta device and receive them."""
 
@@ -53,9 +52,8 @@ class FSDPPlan:
 
 
 def fsdp_plan(fsdp: FSDPConfig, world_size: int, device_type: str, key: str = "fsdp") -> FSDPPlan:
-    """The FSDP plan of a role with ``fsdp`` settings on ``world_size`` ranks of ``device_type`` ("cuda"
-    or "cpu"); pure. Raises ValueError for an ``fsdp_size`` that does not divide the world size,
-    naming ``{key}.fsdp_size``."""
+    """The FSDP plan of a role on ``world_size`` ranks of ``device_type``. Raises ValueError, naming
+    ``{key}.fsdp_size``, for one that does not divide the world size."""
     if fsdp.fsdp_size in (-1, world_size):
         shape, names = (world_size,), ("shard",)
     elif 1 <= fsdp.fsdp_size < world_size and world_size % fsdp.fsdp_size == 0:
@@ -90,8 +88,7 @@ def fully_shard_kwargs(plan: FSDPPlan) -> dict[str, Any]:
 
 
 def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
-    """Cast the floating-point buffers of ``model`` to ``dtype`` in place, rotary frequencies
-    (:data:`ROTARY_BUFFERS`) excepted."""
+    """Cast ``model``'s floating buffers to ``dtype`` in place, :data:`ROTARY_BUFFERS` excepted."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.is_floating_point() and name not in ROTARY_BUFFERS:
@@ -99,8 +96,7 @@ def cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def block_class_names(model: nn.Module) -> set[str]:
-    """Class names of the blocks to shard one by one: the union of ``_no_split_modules`` of every
-    transformers model inside ``model`` (e.g. Qwen2_5_VLDecoderLayer, Qwen2_5_VLVisionBlock)."""
+    """Class names of the blocks to shard one by one: every inner model's ``_no_split_modules``."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
@@ -111,10 +107,9 @@ def apply_fsdp(
     model: nn.Module, fsdp: FSDPConfig, device: torch.device, *, key: str = "fsdp", shard_vision_blocks: bool = True,
     expert_parallel_size: int = 1,
 ) -> nn.Module:
-    """Shard ``model`` in place as ``fsdp_plan`` says, over the default process group; returns it.
-    Collective; under rank-0 init the ranks > 0 pass the meta model and receive rank 0's weights.
-    ``shard_vision_blocks=False`` keeps a frozen cached tower in the root's unit (one rank can run it
-    alone); ``expert_parallel_size`` > 1 leaves each rank's experts to ``models.expert_parallel``."""
+    """Shard ``model`` in place as :func:`fsdp_plan` says; returns it. Collective; under rank-0 init the
+    other ranks pass the meta model. ``shard_vision_blocks=False`` keeps a frozen cached tower in the
+    root's unit; ``expert_parallel_size`` > 1 leaves the experts to ``models.expert_parallel``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -161,8 +156,7 @@ def apply_fsdp(
 def _receive_from_rank0(
     model: nn.Module, plan: FSDPPlan, full_state: dict[str, Tensor], device: torch.device, on_meta: bool
 ) -> None:
-    """Give every rank rank 0's weights: the state dict, then every buffer by broadcast (non-persistent
-    ones such as rotary ``inv_freq`` are not in the state dict)."""
+    """Give every rank rank 0's weights, buffers broadcast too (rotary ``inv_freq`` is not in the state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if on_meta:
@@ -186,9 +180,8 @@ def full_tensor(t: Tensor) -> Tensor:
 
 
 def gather_full_state_dict(model: nn.Module, device: torch.device | str = "cpu") -> dict[str, Tensor]:
-    """The full state dict on every rank, with the in-memory transformers names (what vLLM's
-    ``reload_weights`` needs, not ``save_pretrained``'s); a LoRA model comes back merged under the
-    base model's names. Collective; tensors move to ``device`` one at a time."""
+    """The full state dict on every rank under the in-memory transformers names (not
+    ``save_pretrained``'s), a LoRA model merged. Collective; tensors move to ``device`` one at a time."""
     state = dict(_full_tensors(model, device))
     lora = _lora_scaling(model)
     if lora is not None:
@@ -197,9 +190,8 @@ def gather_full_state_dict(model: nn.Module, device: torch.device | str = "cpu")
 
 
 def iter_full_state_dict(model: nn.Module, device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
-    """:func:`gather_full_state_dict` one (name, full tensor on ``device``) at a time, so a consumer on
-    that device copies each before the next is gathered (a LoRA model yields its merged dict).
-    Collective: every rank must consume the whole iterator, in order."""
+    """:func:`gather_full_state_dict` one (name, tensor on ``device``) at a time. Collective: every rank
+    must consume the whole iterator, in order."""
     if _lora_scaling(model) is not None:
         yield from gather_full_state_dict(model, device).items()
     else:
@@ -213,18 +205,14 @@ def _full_tensors(model: nn.Module, device: torch.device | str) -> Iterator[tupl
 
 
 def iter_lora_base_state_dict(model: nn.Module, device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
-    """A LoRA model's base weights (adapters left out) under the base model's names, one full tensor on
-    ``device`` at a time: what an engine serving the adapters unmerged holds. Collective, as
-    :func:`iter_full_state_dict`."""
+    """A LoRA model's base weights under the base model's names, as :func:`iter_full_state_dict`."""
     for name, value in model.state_dict().items():
         if ".lora_" not in name:
             yield lora_base_name(name), full_tensor(value).detach().to(device)
 
 
 def iter_lora_adapter(model: nn.Module, device: torch.device | str = "cpu") -> Iterator[tuple[str, Tensor]]:
-    """The adapter tensors that train (``lora_A`` / ``lora_B``, PEFT's in-memory names), one full tensor on
-    ``device`` at a time. Adapters that do not train (a frozen vision tower's) stay at PEFT's B = 0 and
-    change nothing. Collective, as :func:`iter_full_state_dict`."""
+    """The adapter tensors that train (PEFT's in-memory names), as :func:`iter_full_state_dict`."""
     for name, param in model.named_parameters():
         if ".lora_" in name and param.requires_grad:
             yield name, full_tensor(param).detach().to(device)
@@ -241,8 +229,7 @@ def _lora_scaling(model: nn.Module) -> float | None:
 
 
 def merge_lora_state_dict(state: dict[str, Tensor], scaling: float, adapter: str = "default") -> dict[str, Tensor]:
-    """Fold LoRA adapters into base weights: ``X.base_layer.weight + scaling * X.lora_B @ X.lora_A``
-    becomes ``X.weight``; adapter tensors are dropped and PEFT's ``base_model.model.`` prefix removed."""
+    """``X.weight = X.base_layer.weight + scaling * X.lora_B @ X.lora_A``, under the base model's names."""
     out: dict[str, Tensor] = {}
     for name, value in state.items():
         if ".lora_" in name:

@@ -1,6 +1,5 @@
-"""Offload between phases (``worker.*.offload``) through :class:`HostMirror`: host buffers allocated
-once (pinned with CUDA) and reused, keeping the tensor objects FSDP2 and the optimizer hold;
-``model.to("cpu")`` would allocate and fault in pageable memory every time. No-ops on the CPU."""
+"""Offload between phases (``worker.*.offload``) into host buffers allocated once and reused, keeping
+the tensor objects FSDP2 and the optimizer hold (``model.to("cpu")`` would allocate every time)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,8 @@ from torch import Tensor, nn
 
 class HostMirror:
     """Host copies of a set of tensors: ``park(tensors)`` points them at host buffers, ``restore(device)``
-    at fresh device copies (the buffers stay). Mirrors storages, not tensors: tensors sharing one
-    (FSDP2's padded shard and its view, tied weights) share a buffer; a storage is copied whole.
-    pin: pinned host buffers (default: where CUDA is available)."""
+    at fresh device copies. Mirrors storages, so tensors sharing one (a shard and its view, tied
+    weights) share a buffer. pin: pinned host buffers (default: where CUDA is available)."""
 
     def __init__(self, pin: bool | None = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -51,10 +49,8 @@ class HostMirror:
 
 
 def model_tensors(model: nn.Module) -> list[Tensor]:
-    """The plain tensors holding ``model``'s parameters and buffers: each parameter's local shard and,
-    for FSDP2, the padded shard its all-gathers read (the local shard is a view of it: both must
-    move). Reshards FSDP2's modules first, as FSDP2's ``model.to`` does. FSDP2 has no call that moves
-    shards into given buffers, hence ``.data``."""
+    """The plain tensors holding ``model``'s parameters and buffers: local shards and FSDP2's padded
+    shards they view (both must move), after resharding as FSDP2's ``model.to`` does."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -99,7 +95,6 @@ def _by_storage(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
 
 
 def _storage_bytes(tensor: Tensor) -> Tensor:
-    """The whole storage under ``tensor``, as a flat uint8 tensor (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 

@@ -1,12 +1,11 @@
-"""The Ray actors of the worker groups other than the hybrid one: a rollout engine on its own device,
-the critic and the reward model, each built from its slice of the run plan, one per rank."""
+"""The Ray actors of the worker groups other than the hybrid one, one per rank."""
 
 from __future__ import annotations
 
 import torch
 
 from easyvlm.data.batch import Batch
-from easyvlm.rollout.base import streaming
+from easyvlm.rollout.base import adapter_engine, streaming
 from easyvlm.rollout.factory import build_rollout
 from easyvlm.rollout.specs import RolloutSpec, Sampling
 from easyvlm.workers.dist import init_distributed
@@ -15,11 +14,9 @@ from easyvlm.workers.weight_transfer import Rendezvous, drain, nbytes, open_grou
 
 
 class RolloutHost:
-    """A rollout engine on its own device (``placement=separate``): no actor, no default process group.
-    It samples with the last weights it was sent: through the weight-transfer group that it shares
-    with the actor's rank 0 (``join_weight_transfer``, ``receive_weights``), else as a Ray object
-    (``load_weights``); ``stream_*`` forward the engine's generation stream
-    (``easyvlm.rollout.base.StreamingEngine``)."""
+    """A rollout engine on its own device (``placement=separate``), no default process group. It samples
+    with the last weights sent through the weight-transfer group (``receive_weights``) or as a Ray
+    object (``load_weights``); ``stream_*`` forward the engine's `StreamingEngine` calls."""
 
     def __init__(self, spec: RolloutSpec):
         self.rollout = build_rollout(spec)
@@ -48,6 +45,30 @@ class RolloutHost:
         finally:
             drain(named)  # whatever the engine left: the group stays in step
 
+    def load_adapter(self, payload: tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]) -> int:
+        """Adapters served unmerged (`HybridWorker.adapter_for_sync`'s (base or None, adapters)): load the
+        base when given, then the adapters; returns their bytes."""
+        base, adapter = payload
+        self.rollout.wake_up(["weights"])
+        engine = adapter_engine(self.rollout)
+        if base is not None:
+            engine.update_weights(base.items())
+        engine.update_adapter(adapter.items())
+        return sum(nbytes(tensor) for part in (base or {}, adapter) for tensor in part.values())
+
+    def receive_adapter(self, with_base: bool) -> None:
+        """`receive_weights` for adapters served unmerged (`HybridWorker.send_adapter`): the base first if
+        ``with_base``, then the adapters."""
+        assert self._transfer is not None, "receive_adapter: join_weight_transfer first"
+        self.rollout.wake_up(["weights"])
+        engine = adapter_engine(self.rollout)
+        for load in ([engine.update_weights] if with_base else []) + [engine.update_adapter]:
+            named = receive(self._transfer, self._transfer_device)
+            try:
+                load(named)
+            finally:
+                drain(named)
+
     def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
         self.rollout.wake_up(["kv_cache"])
         return self.rollout.generate(batch, sampling)
@@ -72,8 +93,7 @@ class RolloutHost:
 
 
 class CriticHost:
-    """The critic of one rank (GAE only) in its own process group; offloads after each call as
-    ``worker.critic.offload`` asks."""
+    """The critic of one rank (GAE only) in its own process group, offloaded after each call."""
 
     def __init__(self, spec: CriticSpec):
         from easyvlm.workers.critic import CriticWorker

@@ -1,7 +1,6 @@
-"""The hybrid engine: actor, rollout engine and reference model (and a distillation teacher) share
-one process per device, each built from its slice of the run plan. Before every generation the
-actor's weights are loaded into the engine, so vLLM samples from the policy that trains; the roles
-then offload and sleep in turn (no-ops on the CPU)."""
+"""The hybrid engine: actor, rollout engine, reference model and teacher share one process per
+device; the actor's weights are loaded into the engine before generation, and the roles offload and
+sleep in turn (no-ops on the CPU)."""
 
 from __future__ import annotations
 
@@ -83,9 +82,8 @@ class HybridWorker:
         return out
 
     def push_weights(self) -> int:
-        """Load the actor's weights into the engine, a tensor at a time on the device the engine takes them on
-        (its own GPU: no host round trip): the whole model (LoRA merged), or with adapters served unmerged
-        the base weights once and then the adapters alone. Returns the bytes the engine took. Collective."""
+        """Load the actor's weights into the engine a tensor at a time: the whole model (LoRA merged), or
+        with adapters served unmerged the base once, then the adapters. Returns the bytes. Collective."""
         self.rollout.wake_up(["weights"])
         device = self.rollout.weight_sync_device
         sent = ByteCount()
@@ -105,10 +103,18 @@ class HybridWorker:
         state = self.actor.state_dict_for_sync()
         return state if self.rank == 0 else None
 
+    def adapter_for_sync(self, with_base: bool) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]] | None:
+        """Adapters served unmerged by separate engines: (the base weights if ``with_base``, the adapters),
+        CPU, on rank 0; None elsewhere. Collective."""
+        self.actor.trained.ensure_loaded()
+        base = dict(iter_lora_base_state_dict(self.actor.model, "cpu")) if with_base else None
+        adapter = dict(iter_lora_adapter(self.actor.model, "cpu"))
+        return (base, adapter) if self.rank == 0 else None
+
     # ------------------------------------------------------------------ separate engines: the collective
     @staticmethod
     def transfer_backend() -> str:
-        """The weight-transfer group's backend: this rank's (``nccl`` on GPUs, ``gloo`` on the CPU)."""
+        """The weight-transfer group's backend: this rank's."""
         return default_backend()
 
     def join_weight_transfer(self, meet: Rendezvous) -> None:
@@ -119,8 +125,8 @@ class HybridWorker:
         self._transfer = open_group(meet, SENDER)
 
     def send_weights(self, bucket_bytes: int) -> int:
-        """The actor's full weights (LoRA merged) to the separate engines in buckets (rank 0 broadcasts,
-        every rank gathers); returns the bytes sent (0 off rank 0). Collective over both groups."""
+        """Broadcast the actor's full weights to the separate engines in buckets from rank 0; returns the
+        bytes sent (0 off rank 0). Collective over both groups."""
         named = self.actor.iter_weights_for_sync(self._transfer_device)
         if self.rank != 0:
             drain(named)
@@ -132,13 +138,31 @@ class HybridWorker:
             drain(named)  # the other ranks finish their gather instead of waiting on rank 0
             raise
 
+    def send_adapter(self, bucket_bytes: int, with_base: bool) -> int:
+        """`send_weights` for adapters served unmerged: the base weights first if ``with_base`` (a group just
+        formed: its engines may be new), then the adapters, two transfers. Collective over both groups."""
+        self.actor.trained.ensure_loaded()
+        parts = [iter_lora_base_state_dict] if with_base else []
+        sent = 0
+        for part in (*parts, iter_lora_adapter):
+            named = part(self.actor.model, self._transfer_device)
+            if self.rank != 0:
+                drain(named)
+                continue
+            assert self._transfer is not None, "send_adapter: join_weight_transfer first"
+            try:
+                sent += send(self._transfer, named, bucket_bytes, self._transfer_device)
+            except BaseException:
+                drain(named)
+                raise
+        return sent
+
     # ------------------------------------------------------------------ experience and update
     def compute_logprobs(self, batch: Batch) -> Batch:
         return self.actor.compute_logprobs(batch, with_entropy=False)
 
     def compute_ref_logprobs(self, batch: Batch, full_kl: bool = False) -> Batch:
-        """``ref_logprobs`` (B, T); with ``full_kl`` also ``ref_kl`` (B, T), KL(pi || pi_ref) over the
-        vocabulary per token under the actor's current weights."""
+        """``ref_logprobs`` (B, T); with ``full_kl`` also ``ref_kl`` (B, T), the per-token KL(pi || pi_ref)."""
         assert self.ref is not None, "compute_ref_logprobs: the plan has no reference model (algorithm.disable_kl)"
         out = self.ref.compute_ref_logprobs(batch)
         if full_kl:

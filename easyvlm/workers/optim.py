@@ -1,7 +1,5 @@
-"""Optimizers (``optim.strategy``: ``adamw`` is ``torch.optim.AdamW``, ``adamw_bf16`` is
-:class:`AdamWBF16`) and the learning-rate schedule, advanced once per update call as in EasyR1 and
-verl. Warm-up step s uses (s + 1) / W of the peak rate (transformers: s / W), so the first update is
-not wasted; ``adamw_bf16``'s limits: docs/workers.md, "FSDP2"."""
+"""Optimizers (``optim.strategy``: ``adamw``, ``adamw_bf16`` = :class:`AdamWBF16`; docs/workers.md,
+"FSDP2") and the learning-rate schedule, advanced once per update call as in EasyR1 and verl."""
 
 from __future__ import annotations
 
@@ -41,13 +39,10 @@ def adamw_bf16_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step of one tensor, in place, as torch.optim.AdamW computes it (Adam, arXiv:1412.6980
-    Algorithm 1, with decoupled weight decay, arXiv:1711.05101):
-        m = b1 m + (1 - b1) g,    v = b2 v + (1 - b2) g^2                    (stored in bfloat16)
-        p = p (1 - lr wd) - lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-    in float32, the moments rounded once when stored. ``compensation`` (Kahan summation; for bf16
-    weights Zamirai et al., arXiv:2010.06192) keeps, in the parameter's dtype, what rounding the new
-    parameter lost and adds it to the next update; None for float32 parameters."""
+    """One AdamW step of one tensor, in place, as torch.optim.AdamW computes it (arXiv:1412.6980 Alg. 1,
+    decoupled weight decay arXiv:1711.05101), in float32 with the moments stored in bfloat16.
+    ``compensation`` (Kahan summation, arXiv:2010.06192) keeps what rounding the new parameter lost
+    for the next update; None for float32 parameters."""
     g = grad.float()
     m = exp_avg.to(torch.float32, copy=True).mul_(beta1).add_(g, alpha=1 - beta1)
     v = exp_avg_sq.to(torch.float32, copy=True).mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -68,9 +63,8 @@ def adamw_bf16_update(
 
 
 class AdamWBF16(torch.optim.Optimizer):
-    """AdamW with bfloat16 ``exp_avg`` / ``exp_avg_sq`` and, for bfloat16 / float16 parameters, a
-    ``compensation`` buffer. Elementwise, so it works on FSDP2 DTensor shards and saves / loads
-    through ``torch.distributed.checkpoint``."""
+    """AdamW with bfloat16 moments and, for 16-bit parameters, a ``compensation`` buffer; elementwise,
+    so it works on FSDP2 shards and with ``torch.distributed.checkpoint``."""
 
     def __init__(
         self,
@@ -129,8 +123,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.Optimizer:
-    """``optim.strategy``'s optimizer over the trainable ones of ``params`` (lr, betas, weight_decay;
-    eps 1e-8 as in EasyR1)."""
+    """``optim.strategy``'s optimizer over the trainable ``params`` (eps 1e-8 as in EasyR1)."""
     if optim.strategy not in OPTIMIZERS:
         raise ValueError(f"unknown optim.strategy {optim.strategy!r}; valid: {sorted(OPTIMIZERS)}")
     params = [p for p in params if p.requires_grad]
@@ -156,9 +149,9 @@ def lr_multiplier(
     scheduler_type: str = "constant",
     min_lr_ratio: float | None = None,
 ) -> float:
-    """Factor on the peak learning rate at 0-based ``step``: warm-up (step < W): (step + 1) / W;
-    constant: 1; cosine: r + (1 - r) * (1 + cos(pi * p)) / 2, p = (step - W) / (total_steps - W)
-    clipped to [0, 1], r = min_lr_ratio (default 0), so r is reached at step total_steps."""
+    """Factor on the peak learning rate at 0-based ``step``: warm-up (step < W): (step + 1) / W (not
+    transformers' s / W: the first update is not wasted); constant: 1; cosine: r + (1 - r) * (1 +
+    cos(pi * p)) / 2, p = (step - W) / (total_steps - W) clipped to [0, 1], r = min_lr_ratio."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if scheduler_type == "constant":
@@ -186,8 +179,7 @@ def build_scheduler(
 
 
 def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
-    """Advance the schedule by one training step (after a skipped optimizer step too: torch's warning
-    about that order is expected and silenced)."""
+    """Advance the schedule by one training step, also after a skipped optimizer step."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
         scheduler.step()

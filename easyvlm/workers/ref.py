@@ -58,8 +58,7 @@ class RefWorker:
         return compute_dtype(self.spec.fsdp, self.device)
 
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        """(B, T) log-probs of ``responses`` under this model (0 at padding) as a new Batch under the key
-        ``output``; inputs as ``ActorWorker.compute_logprobs``."""
+        """A new Batch of (B, T) log-probs of ``responses`` (0 at padding) under the key ``output``."""
         batch.require("input_ids", "attention_mask", "position_ids", "responses")
         if self._offloaded:
             load_model_to(self.model, self.device)
@@ -73,8 +72,7 @@ class RefWorker:
 
     @torch.no_grad()
     def log_distribution(self, batch: Batch) -> Tensor:
-        """(K, V) log-distribution at a micro-batch's K valid response positions, for the full KL (the actor
-        calls it in-process on each of its micro-batches)."""
+        """(K, V) log-distribution at a micro-batch's K valid response positions, for the full KL."""
         if self._offloaded:
             load_model_to(self.model, self.device)
             self._offloaded = False

@@ -1,6 +1,5 @@
-"""The reward model worker: a frozen scalar reward model under FSDP2 that scores whole sequences.
-:func:`sequence_scores` is shared with the reward-model trainer (easyvlm.rm), so both read the
-score at each sequence's last attended token."""
+"""The reward model worker: a frozen scalar reward model under FSDP2 scoring whole sequences at their
+last attended token (:func:`sequence_scores`, shared with easyvlm.rm)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class RewardModelWorker:
 
     @torch.no_grad()
     def compute_scores(self, batch: Batch) -> Batch:
-        """``rm_scores`` (B,) of prompt + response rows (``input_ids``, ``attention_mask``,
-        ``position_ids``, ``responses``, optionally ``multi_modal_inputs``)."""
+        """``rm_scores`` (B,) of prompt + response rows (the critic's forward inputs)."""
         batch.require("input_ids", "attention_mask", "position_ids", "responses")
         micros = equalize_micro_batches(micro_batches(batch, self.spec.forward.experience.micro_batch_size), self.device)
         scores = []

@@ -1,6 +1,5 @@
-"""MoE routing in the workers' forward passes: replay and record (``routed_experts`` (B, L, layers, k)
-int16 aligned with ``input_ids``, FREE where unrecorded), load-balancing loss and load metrics
-(docs/models.md, "MoE")."""
+"""MoE routing in the workers' forward passes: replay and record, load-balancing loss and load
+metrics (docs/models.md, "MoE")."""
 
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ from easyvlm.models.moe_routing import FREE, RoutingState, expert_load, load_bal
 @contextmanager
 def routed_forward(setup: Any, batch: Batch, token_index: Tensor | None,
                    padded_to_packed: Tensor | None) -> Iterator[None]:
-    """Run one model forward over ``batch`` (packed: ``pack_inputs``'s ``token_index`` and
-    ``padded_to_packed``; padded: None) with the routing ``setup`` asks for (replay unless disabled,
-    router logits kept in training). Afterwards ``setup.routing`` holds ``batch_routing`` (B, L,
-    layers, k), ``token_mask`` and ``batch_record``. Dense models: nothing."""
+    """Run one model forward over ``batch`` (``token_index`` None: padded) with the routing ``setup``
+    asks for; afterwards ``setup.routing`` holds ``batch_routing`` (B, L, layers, k), ``token_mask``
+    and ``batch_record``. Dense models: nothing."""
     state = setup.routing
     if state is None:
         yield
@@ -64,8 +62,8 @@ def routing_mismatch(free: Tensor, record: Tensor, token_mask: Tensor) -> float 
 
 
 def padded_routing(recorded: Tensor, attention_mask: Tensor, padded_to_packed: Tensor | None) -> Tensor:
-    """(N, layers, k) choices of one forward -> (B, L, layers, k) int16 aligned with ``input_ids``
-    (a shared prompt's tokens go to every row that reused it); FREE at padding."""
+    """(N, layers, k) choices of one forward -> (B, L, layers, k) int16 aligned with ``input_ids``, FREE
+    at padding."""
     B, L = attention_mask.shape
     recorded = recorded.to(torch.int16)
     if padded_to_packed is None:
@@ -79,8 +77,7 @@ def padded_routing(recorded: Tensor, attention_mask: Tensor, padded_to_packed: T
 
 
 def with_routing_rows(routed: Tensor, rows: int, columns: int) -> Tensor:
-    """``routed`` (B, L, layers, k) grown to (rows, columns) for the vision dummy: the new rows and left
-    columns are FREE."""
+    """``routed`` (B, L, layers, k) grown to (rows, columns) for the vision dummy, FREE-padded."""
     B, L = routed.shape[:2]
     out = routed.new_full((rows, columns, *routed.shape[2:]), FREE)
     out[:B, columns - L :] = routed
@@ -88,9 +85,8 @@ def with_routing_rows(routed: Tensor, rows: int, columns: int) -> Tensor:
 
 
 def routing_metrics(state: RoutingState) -> dict[str, float]:
-    """moe/expert_load_{max,min} of the last forward's sample tokens (the busiest and idlest expert's
-    share of the slots times the expert count; 1.0 = balanced), and moe/routing_mismatch where the
-    batch carries routing."""
+    """moe/expert_load_{max,min} of the last forward (share of slots x expert count; 1.0 = balanced)
+    and moe/routing_mismatch where the batch carries routing."""
     load = expert_load(state.recorded()[state.token_mask.to(state.recorded().device)], state.num_experts)
     metrics = {"moe/expert_load_max": float(load.max()), "moe/expert_load_min": float(load.min())}
     if state.batch_record is not None:  # the batch carries routing (R2's update, R3)

@@ -28,10 +28,8 @@ def build_sharded_model(
     shard_vision_blocks: bool = True,
     expert_parallel_size: int = 1,
 ) -> nn.Module:
-    """The model of ``spec`` under FSDP2 as ``fsdp`` (config key ``key``) asks. Collective; with
-    ``enable_rank0_init`` only rank 0 reads the weights. On the CPU its float32 linear layers run
-    through oneDNN (``easyvlm.models.cpu_linear``). ``shard_vision_blocks``, ``expert_parallel_size``:
-    see ``apply_fsdp`` (a dense model ignores the latter)."""
+    """The model of ``spec`` under FSDP2 as ``fsdp`` (config key ``key``) asks. Collective. On the CPU
+    its float32 linear layers run through oneDNN. Other arguments: see ``apply_fsdp``."""
     plan = fsdp_plan(fsdp, dist.get_world_size(), device.type, key=key)
     loaded = load_model(
         spec, role=role, dtype=dtype, padding_free=padding_free, trainable=trainable, on_meta=not plan.loads_weights(rank)

@@ -1,6 +1,5 @@
-"""The run plan's slices for the workers (`ActorSpec`, `RefSpec`, `CriticSpec`, `RewardModelSpec`):
-frozen dataclasses made by ``easyvlm.plan.roles``, every value final and checked, so a worker
-asserts what it relies on and never judges a user's value."""
+"""The run plan's slices for the workers, made by ``easyvlm.plan.roles``: every value final and
+checked, so a worker asserts what it relies on and never judges a user's value."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ class MicroBatching:
     """How a rank cuts its samples into forward passes."""
 
     micro_batch_size: int
-    """Samples per pass (without dynamic batching), and the unit of the default token budget."""
+    """Samples per pass without dynamic batching, and the unit of the default token budget."""
     dynamic: bool
-    """Cut by a token budget instead of a sample count."""
     max_token_len: Optional[int]
     """Dynamic batching's budget of attended tokens; None = micro_batch_size x the batch's padded length."""
 
@@ -34,15 +32,12 @@ class ForwardSpec:
     """Logits are divided by the rollout temperature before log-softmax (policy roles)."""
     blocked_token_ids: tuple[int, ...]
     use_torch_compile: bool
-    """torch.compile the log-prob and entropy kernels."""
     ulysses_size: int
-    """Ranks of a sequence-parallel group (1 = off)."""
     experience: MicroBatching
     """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
     vision_cache_mb: int = 0
     """MiB of frozen vision-tower outputs cached by image (``easyvlm.models.vision_cache``); 0 = off."""
     router_replay: str = "disabled"
-    """MoE policies: disabled, R2 or R3 (``easyvlm.workers.routing``)."""
     expert_parallel_size: int = 1
     """MoE models: ranks each layer's experts are split over (1 = off; dense models ignore it)."""
 
@@ -55,7 +50,6 @@ class UpdateSpec:
     mini_batch_per_rank: int
     """Samples of one optimizer step on one data-parallel rank (global_batch_size x n / data-parallel size)."""
     optimizer_steps_per_step: int
-    """Optimizer steps per training step (mini-batches per step x ppo_epochs)."""
     micro: MicroBatching
     max_grad_norm: float
     loss_avg_mode: str
@@ -84,9 +78,8 @@ class ActorSpec:
     update: UpdateSpec
     policy_loss: PolicyLossSpec
     kl_loss: Optional[KLSettings]
-    """The KL to the reference as a loss term; None = not in the loss."""
+    """The KL to the reference as a loss term; None = not in the loss (``distill`` likewise)."""
     entropy: EntropySettings
-    """The entropy bonus (the adaptive controller passes each update its coefficient)."""
     seed: int
     """Seeds torch before the model is built, so new weights (LoRA) are equal on every rank."""
     files: ModelBundle
@@ -94,18 +87,15 @@ class ActorSpec:
     router_aux_loss_coef: float = 0.0
     """MoE policies: the router load-balancing loss's weight (resolved; 0 = off)."""
     distill: Optional[DistillSettings] = None
-    """On-policy distillation as a loss term (reads ``teacher_logprobs``); None = not in the loss."""
     distill_weight_cap: float = 2.0
     """Truncation of the one-sample distillation weight pi_theta / pi_old: ``rollout_is_threshold``'s upper bound."""
-
     policy_gradient: bool = True
     """False for pure distillation as a loss (``algorithm.distill_only``): the loss has no policy term."""
 
 
 @dataclass(frozen=True)
 class RefSpec:
-    """A frozen model that gives log-probs of the policy's samples: the reference model, or the
-    teacher of on-policy distillation (``worker.teacher``)."""
+    """A frozen model that gives log-probs of the policy's samples: the reference model or the teacher."""
 
     model: ModelSpec
     fsdp: FSDPConfig

@@ -1,6 +1,5 @@
-"""Mechanics shared by the workers: cross-rank sums, equal micro-batch counts across ranks (FSDP2's
-all-gathers and reduce-scatters are collectives: every rank must run as many passes), clipping with
-non-finite skipping, sharded checkpoints, token budgets."""
+"""Mechanics shared by the workers: cross-rank sums, equal micro-batch counts (FSDP2's collectives
+need as many passes on every rank), clipping with non-finite skipping, sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -111,8 +110,8 @@ def clip_and_step(
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> Tensor:
-    """torch's ``clip_grad_norm_`` for parameters on several device meshes (FSDP2's and the experts'
-    under expert parallelism, which DTensor cannot combine); returns the total norm, a plain tensor."""
+    """torch's ``clip_grad_norm_`` over several device meshes (DTensor cannot combine FSDP2's and the
+    experts'); returns the total norm, a plain tensor."""
     from torch.distributed.tensor import DTensor
 
     by_mesh: dict[Any, list[nn.Parameter]] = {}
@@ -159,8 +158,7 @@ NOT_SHARED = ("every rank writes its own shards into trainer.save_checkpoint_pat
 
 
 def check_shared_checkpoint_dir(path: Path, rank: int, world: int, timeout: float = SHARED_DIR_TIMEOUT_S) -> None:
-    """After every rank saved into ``path``: raise RuntimeError unless this rank sees every rank's files
-    there (machines that do not share the directory could not resume the checkpoint)."""
+    """After every rank saved into ``path``: RuntimeError unless this rank sees every rank's files."""
     deadline = time.monotonic() + timeout
     while True:
         missing = [r for r in range(world) if not (path / f"extra_state_rank{r}.pt").is_file()]
@@ -177,8 +175,7 @@ def check_shared_checkpoint_dir(path: Path, rank: int, world: int, timeout: floa
 def load_sharded_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
 ) -> None:
-    """Inverse of :func:`save_sharded_checkpoint` (same world size). Collective. Unpickles only plain
-    values and tensors (``easyvlm.utils.safe_state``)."""
+    """Inverse of :func:`save_sharded_checkpoint` (same world size; ``safe_state`` unpickling). Collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -200,8 +197,7 @@ def load_sharded_checkpoint(
 
 
 def token_budget(micro: MicroBatching, batch: Batch) -> int | None:
-    """Dynamic batching's attended-token budget per micro-batch (None when off): ``max_token_len``, else
-    ``micro_batch_size`` full-length rows of this batch."""
+    """Dynamic batching's token budget per micro-batch (None when off); see ``MicroBatching.max_token_len``."""
     if not micro.dynamic:
         return None
     return micro.max_token_len or micro.micro_batch_size * batch["input_ids"].shape[1]

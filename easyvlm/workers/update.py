@@ -40,11 +40,10 @@ class MicroLoss:
     loss: Tensor
     """Scalar with grad, already aggregated with the mini-batch normaliser N."""
     tokens: float
-    """Valid response tokens of the micro-batch (the weight of its token means)."""
+    """Valid response tokens of the micro-batch (the weight of its ``token_means``)."""
     sums: dict[str, float] = field(default_factory=dict)
     """Metrics that add up over micro-batches to the mini-batch value (loss terms divided by N)."""
     token_means: dict[str, float] = field(default_factory=dict)
-    """Metrics that are means over this micro-batch's valid tokens."""
 
 
 MicroLossFn = Callable[[Batch, float], MicroLoss]
@@ -69,9 +68,8 @@ class TrainedModel:
 
     # ------------------------------------------------------------------ update
     def update(self, batch: Batch, micro_loss: MicroLossFn) -> dict[str, float]:
-        """Epochs x mini-batches x micro-batches over this rank's samples; returns the step's metrics (the
-        same on every rank): the role's sums and token means averaged over mini-batches,
-        ``<prefix>/grad_norm`` (over the steps taken), ``<prefix>/lr``, ``<prefix>/skipped_steps``."""
+        """Epochs x mini-batches x micro-batches over this rank's samples; returns the step's metrics, the
+        same on every rank (``<prefix>/grad_norm``, ``/lr``, ``/skipped_steps`` and the role's own)."""
         check_same_batch_size(len(batch), self.device, f"{self.prefix} update")
         self.ensure_loaded()
         self.model.train()

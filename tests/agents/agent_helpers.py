@@ -28,7 +28,7 @@ def tool_plan(model_path: str, response_length: int, *overrides: str) -> Any:
 def encoder_of(plan: Any) -> PromptEncoder:
     bundle = plan.bundle
     schemas = plan.agent.tool_schemas if plan.agent is not None else ()
-    return PromptEncoder(plan.config.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, schemas)
+    return PromptEncoder(plan.data, bundle.tokenizer, bundle.processor, bundle.policy.hf_config, schemas)
 
 
 def two_colour_image(path: Any) -> str:

@@ -15,7 +15,7 @@ def test_bench_plan_is_the_demo_config_from_any_directory(tiny_model_path, tmp_p
     monkeypatch.chdir(tmp_path)  # the demo config's relative paths would not resolve here
     plan = bench_plan(example_args(f"worker.actor.model.model_path={tiny_model_path}", "data.max_response_length=16"),
                       total_steps=7)
-    assert plan.config.data.format_prompt == str(REPO / "format_prompts" / "synthetic.jinja")
+    assert plan.data.format_prompt == str(REPO / "format_prompts" / "synthetic.jinja")
     assert plan.actor.update.total_steps == 7  # the trainer sets it from the data; benchmarks choose it
     # the demo's settings reach the specs: vLLM, 8 samples at temperature 1, KL loss with a reference
     assert (plan.rollout.engine.name, plan.rollout.sampling.n, plan.rollout.sampling.temperature) == ("vllm", 8, 1.0)

@@ -174,7 +174,7 @@ def test_the_gpu_runs_plan_has_the_recipes_settings(shape, tiny_model_path, tmp_
     prompts = gpu_step.write_prompts(tmp_path, 4, 448, 64)
     plan = bench_plan(gpu_step.plan_args(args, Path(tiny_model_path), prompts, tmp_path, "hf"), total_steps=2)
     actor = plan.actor
-    assert plan.device == "cuda" and plan.derived.world_size == 1
+    assert plan.device == "cuda" and plan.launch.world_size == 1
     assert plan.driver.records.loggers == ("console",)  # nothing a GPU machine may lack (tensorboard)
     # fp32 master weights (torch_dtype None: the actor's default), bf16 compute, checkpointing, packed, shared
     assert (actor.fsdp.torch_dtype, actor.fsdp.mp_param_dtype, actor.fsdp.mp_reduce_dtype) == (None, "bf16", "fp32")

@@ -4,6 +4,8 @@ build through the RL rollout loop."""
 import random
 from pathlib import Path
 
+import pytest
+
 from easyvlm.agents.gui import ScreenState, advance, make_task
 from easyvlm.builtin.gui_warm_start import GUI_FORMAT_PROMPT, expert_actions
 
@@ -41,9 +43,11 @@ def test_a_random_expert_plays_until_ok_or_the_step_limit():
     assert min(lengths) < 5 == max(lengths)  # any widget, OK included: some end early, some at the limit
 
 
-def test_the_gui_warm_start_trains_on_the_rl_loops_episodes(tmp_path):
+@pytest.mark.parametrize("dataset", ["synthetic-gui", "synthetic-gui-row"])
+def test_the_gui_warm_start_trains_on_the_rl_loops_episodes(tmp_path, dataset):
     """Two steps of two episodes: the build asserts each episode ran its script to its end through the
-    environment, and a loadable model comes out with the demo's format prompt."""
+    environment (the expert's task and the environment's screen both from the row, in its layout),
+    and a loadable model comes out with the demo's format prompt."""
     import dataclasses
 
     import torch
@@ -52,7 +56,7 @@ def test_the_gui_warm_start_trains_on_the_rl_loops_episodes(tmp_path):
     from easyvlm.builtin.models import materialize_model
     from easyvlm.builtin.warm_start import WARM_STARTS, build_warm_start
 
-    spec = dataclasses.replace(WARM_STARTS["tiny-qwen2.5-vl-gui"], steps=2, batch_size=2)
+    spec = dataclasses.replace(WARM_STARTS["tiny-qwen2.5-vl-gui"], dataset=dataset, steps=2, batch_size=2)
     lines = []
     build_warm_start(spec, materialize_model(spec.base), tmp_path / "model", log=lines.append)
     assert lines[0].startswith("easyvlm: warm start 1/2: loss ") and lines[-1].startswith("easyvlm: warm start 2/2: loss ")

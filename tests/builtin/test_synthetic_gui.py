@@ -69,3 +69,32 @@ def test_the_format_prompt_states_the_grammar_and_the_step_limit():
         "<image>Tick every red box and no other, then press OK. One action per turn: click(N) clicks the widget "
         "labelled N, click(X, Y) the pixel at X, Y of the screenshot (from its top left corner). You have 5 steps."
     )
+
+
+def test_the_row_layouts_rows_carry_their_layout(tmp_path):
+    """builtin:synthetic-gui-row: the same rows with a layout column "row"; the environment rebuilds
+    each first screen from it and the answer solves it; splits never share a screen."""
+    assert "synthetic-gui-row" in synthetic.builtin_dataset_names()
+    path = resolve_builtin_dataset("builtin:synthetic-gui-row@val", cache_dir=tmp_path)
+    assert path == tmp_path / "datasets" / "synthetic-gui-row-val-128-v1" / "val.jsonl"
+    rows = rows_of(path)
+    assert len(rows) == 128 and {r["task"] for r in rows} == {"tick", "untick"}
+    for row in rows[:16]:
+        assert list(row) == ["problem", "answer", "images", "task", "seed", "max_steps", "layout"]
+        assert row["layout"] == "row"
+        task = make_task(row["seed"], row["task"], layout="row")
+        # 1-3 boxes to toggle, then OK: 2-4 actions, the step limit 2 more
+        assert row["answer"] == solution(task) and row["max_steps"] == len(row["answer"].split()) + 2 <= 6
+        env = GuiEnvironment()
+        env.reset({**row, "ground_truth": row["answer"]})
+        assert Image.open(path.parent / row["images"][0]).convert("RGB").tobytes() == env.screenshot().tobytes()
+        returns = sum(env.step(action)[2] for action in row["answer"].split())
+        assert env.state.outcome == "success" and returns == pytest.approx(2.0, abs=1e-12)
+    train = materialize_dataset("train", cache_dir=tmp_path, name="synthetic-gui-row", num_samples=200)
+    assert train.parent.name == "synthetic-gui-row-train-200-v1"
+    train_seeds = {(r["seed"], r["task"]) for r in rows_of(train)}
+    # the content hash (screen + instruction) picks the split, so no val screen is a train screen
+    train_screens = {_content_hash(Image.open(train.parent / r["images"][0]).convert("RGB"), r["problem"])
+                     for r in rows_of(train)}
+    val_screens = {_content_hash(Image.open(path.parent / r["images"][0]).convert("RGB"), r["problem"]) for r in rows}
+    assert len(train_seeds) == 200 and len(val_screens) == 128 and not train_screens & val_screens

@@ -483,6 +483,11 @@ ENTRIES: list[tuple[str, Entry]] = [
             STAGES_LISTED),
     effects("worker.rollout.partial_rollout", f"{SERVICE}::test_streamed_tokens_keep_the_version_and_log_prob_that_sampled_them",
             f"{SEPARATE}::test_partial_rollouts_train_within_the_staleness_bound"),
+    effects("worker.rollout.weight_transfer",
+            f"{SERVICE}::test_weight_transfer_object_store_sends_ray_objects_without_forming_the_group",
+            f"{SERVICE}::test_weight_transfer_collective_stops_when_the_group_does_not_form",
+            "tests/trainer/test_e2e_weight_transfer.py::TestCollectiveWeightTransfer::"
+            "test_object_store_sends_the_same_bytes_as_ray_objects"),
     effects("worker.rollout.max_turns", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.max_tokens_per_turn", f"{AGENTS}::test_limits_end_samples"),
     effects("worker.rollout.tool_timeout", f"{AGENTS}::test_tool_timeout_comes_from_the_config",

@@ -37,7 +37,6 @@ ARGS = [
 def test_grpo_values():
     d = derive(load_config(ARGS))
     assert d.world_size == 8  # 2 nodes x 4
-    assert d.data_parallel_size == 8  # ulysses_size 1
     assert d.prompts_per_generation_round == 64  # no mini_rollout_batch_size
     assert d.rollout_max_model_len == 128  # 100 + 28
     assert d.actor == RoleBatching(
@@ -49,8 +48,15 @@ def test_grpo_values():
     assert d.save_checkpoint_path == "checkpoints/proj/exp"
 
 
+def run_length(args):
+    from easyvlm.plan.driver import driver_spec
+
+    cfg = load_config(args)
+    return driver_spec(cfg, derive(cfg)).length
+
+
 def test_total_steps():
-    d = derive(load_config(ARGS))
+    d = run_length(ARGS)
     assert d.steps_per_epoch(1000) == 15  # 1000 // 64, the partial batch dropped
     assert d.total_steps(1000) == 45  # 3 epochs x 15
     assert d.total_steps(64) == 3
@@ -58,7 +64,7 @@ def test_total_steps():
         d.total_steps(63)
     assert info.value.problems[0].key == "data.rollout_batch_size"
     assert "63 prompts" in str(info.value)
-    assert derive(load_config(ARGS + ["trainer.max_steps=7"])).total_steps(1000) == 7  # max_steps wins
+    assert run_length(ARGS + ["trainer.max_steps=7"]).total_steps(1000) == 7  # max_steps wins
 
 
 def test_gae_critic_ulysses_and_overrides():
@@ -79,7 +85,6 @@ def test_gae_critic_ulysses_and_overrides():
         ]
     )
     d = derive(cfg)
-    assert d.data_parallel_size == 4  # 8 devices / ulysses 2
     assert d.actor.mini_batch_per_device == 32  # 128 samples / 4 ranks
     assert d.critic == RoleBatching(
         mini_batch_per_device=32,  # 32 prompts x 8 = 256 samples / 8 devices

@@ -263,6 +263,8 @@ RULES = [
     (["worker.rollout.placement=separate", "worker.rollout.max_staleness=1", "worker.rollout.partial_rollout=true",
       "worker.rollout.name=vllm", "algorithm.adv_estimator=remax"], "worker.rollout.partial_rollout",
      "not supported with algorithm.adv_estimator=remax"),
+    (["worker.rollout.placement=separate", "worker.rollout.one_step_off=true", "worker.rollout.weight_transfer=collective"],
+     "worker.rollout.weight_transfer", "collective needs synchronous rollout"),
     (["worker.rollout.placement=separate", "worker.rollout.tensor_parallel_size=2"], "worker.rollout.tensor_parallel_size",
      "must be 1 with worker.rollout.placement=separate"),
     (["worker.rollout.placement=separate", "worker.rollout.one_step_off=true", "worker.judge.enable=true",
@@ -298,6 +300,22 @@ def test_rule(overrides, key, phrase):
     messages = [p.message for p in found if p.key == key]
     assert messages, f"no problem for {key}; got {found}"
     assert any(phrase in m for m in messages), messages
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["worker.rollout.placement=separate", "worker.rollout.max_staleness=2", "worker.rollout.weight_transfer=collective"],
+     "worker.rollout.weight_transfer: collective needs synchronous rollout (worker.rollout.max_staleness=0, "
+     "one_step_off=false): asynchronous engines take each version's weights as published Ray objects; set "
+     "weight_transfer to auto or object_store"),
+    (["worker.rollout.weight_transfer=object_store"],
+     "worker.rollout.weight_transfer: acts only with worker.rollout.placement=separate (a colocated engine shares the "
+     "actor's process: the weights are copied in memory, nothing is transferred); set placement=separate or leave "
+     "weight_transfer at auto"),
+])
+def test_weight_transfer_refusals_name_the_key(overrides, line):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(BASE + overrides))
+    assert str(info.value).splitlines()[1:] == [f"  - {line}"]
 
 
 @pytest.mark.parametrize("estimator", GROUP_ADV_ESTIMATORS)
@@ -348,6 +366,10 @@ ACCEPTED = [
      "worker.rollout.name=hf", "worker.rollout.tools=[calculator]"],
     ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2", "worker.rollout.partial_rollout=true",
      "worker.rollout.environment=./game.py:Game"],
+    # how separate engines take the weights: the collective (synchronous only) or Ray objects (any)
+    ["worker.rollout.placement=separate", "worker.rollout.weight_transfer=collective"],
+    ["worker.rollout.placement=separate", "worker.rollout.weight_transfer=object_store"],
+    ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2", "worker.rollout.weight_transfer=object_store"],
     # the staleness correction's weights: its threshold acts without rollout_is
     ["worker.rollout.placement=separate", "worker.rollout.max_staleness=2",
      "algorithm.rollout_correction.rollout_is_threshold=3.0", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],

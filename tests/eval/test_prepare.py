@@ -31,7 +31,7 @@ def test_a_checkpoint_is_planned_through_its_export_with_one_parse(tiny_model_pa
     plan, step, out_dir, found = eval_run.prepare(eval_args(str(checkpoint), str(tmp_path / "run")))
     assert len(parsed) == 1 and parsed[0][-1] == "trainer.val_only=true"
     export = str(checkpoint / "actor" / "huggingface")
-    assert plan.config.worker.actor.model.model_path == export and plan.config.trainer.val_only
+    assert plan.actor.model.model_path == export and plan.driver.val_only
     assert (step, out_dir, found) == (3, checkpoint / "eval", checkpoint)
 
 
@@ -39,5 +39,5 @@ def test_a_model_directory_is_planned_as_given_into_the_save_path(tiny_model_pat
     from easyvlm.eval.run import prepare
 
     plan, step, out_dir, found = prepare(eval_args(tiny_model_path, str(tmp_path / "run")))
-    assert plan.config.worker.actor.model.model_path == tiny_model_path
+    assert plan.actor.model.model_path == tiny_model_path
     assert (step, out_dir, found) == (0, tmp_path / "run" / "eval", None)

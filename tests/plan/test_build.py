@@ -126,7 +126,6 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
     "ulysses": (("trainer.n_gpus_per_node=2",), "cpu", [
         ("worker.actor.ulysses_size", "2", "actor.forward.ulysses_size", 2),  # 4 heads, 2 key/value heads: divisible
         ("worker.actor.ulysses_size", "2", "ref.forward.ulysses_size", 2),
-        ("worker.actor.ulysses_size", "2", "derived.data_parallel_size", 1),
     ]),
     "actor model": ((), "cpu", [
         ("worker.actor.model.enable_gradient_checkpointing", "true", "actor.model.gradient_checkpointing", True),
@@ -205,18 +204,26 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.reward.num_workers", "2", "reward.calls.num_workers", 2),
     ]),
     "steps and sizes": ((), "cpu", [
-        ("data.rollout_batch_size", "48", "derived.rollout_batch_size", 48),
-        ("data.mini_rollout_batch_size", "12", "derived.prompts_per_generation_round", 12),
-        ("trainer.nnodes", "2", "derived.world_size", 2),
-        ("trainer.total_epochs", "3", "derived.total_epochs", 3),
-        ("trainer.max_steps", "5", "derived.max_steps", 5),
+        ("data.rollout_batch_size", "48", "driver.length.rollout_batch_size", 48),
+        ("data.mini_rollout_batch_size", "12", "driver.rounds.prompts_per_round", 12),
+        ("trainer.nnodes", "2", "launch.world_size", 2),
+        ("trainer.nnodes", "2", "driver.world_size", 2),
+        ("trainer.total_epochs", "3", "driver.length.total_epochs", 3),
+        ("trainer.max_steps", "5", "driver.length.max_steps", 5),
+        ("trainer.find_last_checkpoint", "false", "driver.find_last_checkpoint", False),
     ]),
-    "devices per node": ((), "cpu", [("trainer.n_gpus_per_node", "2", "derived.world_size", 2)]),
+    "devices per node": ((), "cpu", [
+        ("trainer.n_gpus_per_node", "2", "launch.world_size", 2),
+        ("trainer.n_gpus_per_node", "2", "launch.n_gpus_per_node", 2),
+    ]),
+    "separate engines": (("worker.rollout.placement=separate",), "cpu", [
+        ("worker.rollout.num_devices", "2", "launch.separate_rollout_devices", 2),
+    ]),
     "algorithm": ((), "cpu", [
-        ("algorithm.adv_estimator", "gae", "derived.use_critic", True),
-        ("algorithm.disable_kl", "true", "derived.use_reference", False),
+        ("algorithm.adv_estimator", "gae", "critic.cliprange_value", 0.5),
+        ("algorithm.disable_kl", "true", "driver.advantage.use_reference", False),
     ]),
-    "kl loss": ((), "cpu", [("algorithm.use_kl_loss", "true", "derived.kl_in_loss", True)]),
+    "kl loss": ((), "cpu", [("algorithm.use_kl_loss", "true", "driver.advantage.kl_in_loss", True)]),
     # the driver's adaptive entropy controller (none in the default plan: the actor keeps entropy_coeff)
     "adaptive entropy": ((), "cpu", [
         ("worker.actor.use_adaptive_entropy", "true", "driver.entropy_control.entropy_coeff_max", 0.5),
@@ -413,14 +420,14 @@ def test_local_paths_become_absolute(tiny_model_path, tmp_path, monkeypatch):
     plan = plan_for(tiny_model_path, "data.image_dir=images", "data.format_prompt=f.jinja", "data.override_chat_template=t.jinja",
                     "trainer.load_checkpoint_path=ckpt", "trainer.ray_timeline=timeline.json",
                     "trainer.save_checkpoint_path=out", "trainer.project_name=p", "trainer.experiment_name=e")
-    d, t = plan.config.data, plan.config.trainer
+    d, driver = plan.data, plan.driver
     assert (d.image_dir, d.format_prompt, d.override_chat_template) == tuple(
         str(tmp_path / n) for n in ("images", "f.jinja", "t.jinja"))
-    assert (t.load_checkpoint_path, t.ray_timeline) == (str(tmp_path / "ckpt"), str(tmp_path / "timeline.json"))
-    assert plan.derived.save_checkpoint_path == str(tmp_path / "out")
+    assert (driver.load_checkpoint_path, driver.records.ray_timeline) == (str(tmp_path / "ckpt"), str(tmp_path / "timeline.json"))
+    assert driver.records.run_dir == str(tmp_path / "out")
     # without save_checkpoint_path: checkpoints/<project_name>/<experiment_name> under the working directory
     plan = plan_for(tiny_model_path, "trainer.project_name=p", "trainer.experiment_name=e")
-    assert plan.derived.save_checkpoint_path == str(tmp_path / "checkpoints" / "p" / "e")
+    assert plan.driver.records.run_dir == str(tmp_path / "checkpoints" / "p" / "e")
 
 
 def test_workers_on_other_nodes_get_names_and_file_texts(tiny_model_path, tmp_path):
@@ -464,3 +471,18 @@ def test_dynamic_batching_budget_defaults_to_easyr1s_padded_rows(tiny_model_path
     assert plan_for(tiny_model_path, *common, "worker.actor.max_token_len_per_device=1000").actor.update.micro.max_token_len == 1000
     fixed = plan_for(tiny_model_path, *common, "worker.actor.dynamic_batching=false").actor.update.micro
     assert fixed.dynamic is False and fixed.max_token_len is None
+
+
+def test_device_auto_planned_without_a_gpu_can_be_planned_again_for_a_gpu_cluster(tiny_model_path, tmp_path):
+    """trainer.device=auto on a machine without a GPU: the plan is the CPU's, and it carries the way to
+    the same run's plan for cuda (taken when the cluster joined through trainer.ray_address has GPUs);
+    a device the user named is never planned again."""
+    from easyvlm.plan.build import build_plan
+
+    auto = build_plan(config_for(tiny_model_path, "trainer.device=auto", f"trainer.save_checkpoint_path={tmp_path}"), "cpu")
+    assert auto.device == "cpu" and auto.for_cuda is not None
+    on_gpus = auto.for_cuda()
+    assert on_gpus.device == "cuda" and on_gpus.for_cuda is None
+    assert on_gpus.driver.records.run_dir == auto.driver.records.run_dir == str(tmp_path)
+    named = build_plan(config_for(tiny_model_path, "trainer.device=cpu", f"trainer.save_checkpoint_path={tmp_path}"), "cpu")
+    assert named.for_cuda is None

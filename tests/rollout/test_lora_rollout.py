@@ -130,6 +130,13 @@ def test_merge_for_rollout_in_the_plan(tiny_model_path, caplog):
     kwargs = vllm_engine_kwargs(engine)
     assert kwargs["max_lora_rank"] == 16 and "enable_tower_connector_lora" not in kwargs
     assert lora_plan(tiny_model_path, "worker.rollout.name=vllm", f"{KEY}=true").rollout.engine.lora is None
+    # separate engines: synchronous ones serve the adapters too; asynchronous ones take full weights (logged)
+    separate = ("worker.rollout.name=vllm", "worker.rollout.placement=separate")
+    assert lora_plan(tiny_model_path, *separate, f"{KEY}=false").rollout.engine.lora.max_rank == 8
+    with caplog.at_level(logging.WARNING, logger="easyvlm.plan.roles"):
+        assert lora_plan(tiny_model_path, *separate, "worker.rollout.max_staleness=1").rollout.engine.lora is None
+    assert "asynchronous separate engines take each version's full weights" in caplog.text
+    caplog.clear()
     assert rollout_plan(tiny_model_path, 12, "worker.rollout.name=vllm").rollout.engine.lora is None  # no LoRA
     # an MoE model: vLLM's LoRA experts layer needs triton (not on the CPU), so merged, and the reason logged
     moe = str(materialize_model("tiny-qwen3-vl-moe"))
@@ -145,7 +152,8 @@ def test_merge_for_rollout_in_the_plan(tiny_model_path, caplog):
 @pytest.mark.parametrize(("overrides", "words"), [
     ((f"{KEY}=false",), "rank is 0"),
     ((f"{KEY}=true",), "rank is 0"),
-    ((*LORA, f"{KEY}=false", "worker.rollout.placement=separate"), "placement=separate"),
+    ((*LORA, f"{KEY}=false", "worker.rollout.placement=separate", "worker.rollout.max_staleness=1"),
+     "asynchronous separate engines"),
     (("worker.actor.model.lora.rank=1024", f"{KEY}=false", "worker.rollout.name=vllm"), "max_lora_rank"),
 ])
 def test_merge_for_rollout_refusals(tiny_model_path, overrides, words):

@@ -46,6 +46,34 @@ class TestCollectiveWeightTransfer:
             assert_finite(row, ["timing_s/weight_sync"])
             assert 0.0 <= row["actor/rollout_mismatch/k3"] < 1e-4, row["actor/rollout_mismatch/k3"]
 
+    def test_object_store_sends_the_same_bytes_as_ray_objects(self, e2e_base_args, tmp_path, tiny_model_path, caplog):
+        """worker.rollout.weight_transfer=object_store: no group is formed; each engine loads the full state
+        dict from a Ray object, the same bytes as the broadcast, and samples the current policy."""
+        with caplog.at_level(logging.INFO, logger="easyvlm"):
+            rows = run(e2e_base_args, tmp_path, 2, "worker.rollout.weight_transfer=object_store")
+        assert "take the weights as Ray objects (worker.rollout.weight_transfer=object_store)" in caplog.text
+        assert "weight-transfer group" not in caplog.text  # never tried, so never "did not form"
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        for row in rows:
+            assert row["perf/weight_sync_bytes"] == model_bytes(tiny_model_path)
+            assert_finite(row, ["timing_s/weight_sync"])
+            assert 0.0 <= row["actor/rollout_mismatch/k3"] < 1e-4, row["actor/rollout_mismatch/k3"]
+
+    @pytest.mark.parametrize("weight_transfer", ["auto", "object_store"])
+    def test_unmerged_adapters_reach_separate_engines_the_base_once(self, e2e_base_args, tmp_path, tiny_model_path,
+                                                                     weight_transfer):
+        """LoRA served unmerged by a separate engine, by the collective (auto) or as Ray objects: the base
+        weights at the first sync, then the adapters alone (rank 8 on every linear layer, the tower's
+        included: 221 184 bytes, tests/rollout/test_lora_rollout.py), and the engine samples the policy
+        that trains (lr 1e-3 on the adapters)."""
+        rows = run(e2e_base_args, tmp_path, 1, f"worker.rollout.weight_transfer={weight_transfer}",
+                   "worker.actor.model.lora.rank=8", "worker.actor.model.lora.alpha=16",
+                   "worker.actor.model.lora.merge_for_rollout=false")
+        adapter = 221184
+        assert [r["perf/weight_sync_bytes"] for r in rows] == [model_bytes(tiny_model_path) + adapter, adapter, adapter]
+        for row in rows:
+            assert 0.0 <= row["actor/rollout_mismatch/k3"] < 1e-4, row["actor/rollout_mismatch/k3"]
+
     def test_an_engine_killed_after_step_1_rejoins_the_group_and_takes_the_weights(self, e2e_base_args, tmp_path):
         """SIGKILL lands during step 2's broadcast or generation; either way the engine is restarted, the
         group formed again with it, and step 2 onwards sample the current weights (k3 at fp32 noise)."""

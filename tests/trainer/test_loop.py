@@ -185,7 +185,7 @@ def make_trainer(monkeypatch, tiny_model_path, tmp_path, *overrides, rows=16, va
     # every driver module that calls Ray
     for module in (loop, rounds, topology, pipeline_scoring, rollout_service, producers):
         monkeypatch.setattr(module, "ray", fake_ray)
-    size = plan.derived.prompts_per_generation_round
+    size = plan.driver.rounds.prompts_per_round
     val = FakeLoader(val_rows, val_rows, prefix="v") if val_rows else None
     trainer = Trainer(plan, FakeLoader(rows, size), val, resources=None)
     fakes.hybrid, fakes.critic = fakes.groups["hybrid"], fakes.groups.get("critic")

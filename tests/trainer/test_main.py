@@ -41,3 +41,20 @@ def test_mlflow_takes_a_file_uri_or_a_plain_path_as_its_store(e2e_base_args, tmp
     tracker.close()
     experiment = MlflowClient(tracking_uri=target.as_uri()).get_experiment_by_name("easyvlm")
     assert experiment is not None  # the project name (examples/config.yaml's trainer.project_name)
+
+
+def test_a_batch_larger_than_the_training_set_exits_2_naming_the_key(e2e_base_args, tmp_path, monkeypatch, capsys):
+    """data.rollout_batch_size above the prompts left after filtering, with generation rounds that fit: a
+    config error before any tracker or Ray starts (it was reported as a tracker error)."""
+    import easyvlm.trainer.main as main_module
+
+    monkeypatch.setattr(main_module, "start_ray", lambda plan: pytest.fail("Ray started despite the config error"))
+    monkeypatch.setattr(main_module, "open_tracker_or_exit", lambda *a: pytest.fail("a tracker opened"))
+    with pytest.raises(SystemExit) as exit_info:
+        # generation rounds of 8 prompts fit the 64 rows (the loader's own check passes), a step's 128 do not
+        main_module.main([*e2e_base_args, "data.rollout_batch_size=128", "data.mini_rollout_batch_size=8",
+                          "worker.actor.global_batch_size=128", "trainer.max_steps=null",
+                          f"trainer.save_checkpoint_path={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "data.rollout_batch_size" in err and "is larger than the training set" in err, err

@@ -8,6 +8,7 @@ publishes weights, slowly or quickly, and checks what the service hands out.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from easyvlm.data.batch import Batch
 from easyvlm.rewards.types import RewardResult
 from rollout_testing import FakeRolloutEngine
 from easyvlm.service import producers, rollout_service
-from easyvlm.service.rollout_service import RolloutService
+from easyvlm.service.rollout_service import TRANSFER_GROUP_TRIES, RolloutService
 from easyvlm.workers.hosts import RolloutHost
 
 B, N = 2, 4  # prompt groups per step, samples per prompt (LOOP_OVERRIDES)
@@ -138,13 +139,14 @@ class FakeScorer:
         return RewardResult({"overall": [1.0] * len(inputs), "accuracy": [1.0] * len(inputs)}, {})
 
 
-def make_service(monkeypatch, tiny_model_path, *overrides, hosts=1, step_seconds=0.0, steps=8):
+def make_service(monkeypatch, tiny_model_path, *overrides, hosts=1, step_seconds=0.0, steps=8, actor=None):
     plan = plan_for(tiny_model_path, *LOOP_OVERRIDES, *ASYNC, f"trainer.max_steps={steps}", *overrides)
     fake_ray = SimpleNamespace(get=lambda refs, timeout=None: refs)
     for module in (rollout_service, producers):
         monkeypatch.setattr(module, "ray", fake_ray)
     loader = PromptLoader(rows=200, size=B)
-    service = RolloutService(plan, FakeHybrid(), LocalGroup(plan, hosts, step_seconds), FakeScorer(), loader, steps, encoder=None)
+    service = RolloutService(plan, actor or FakeHybrid(), LocalGroup(plan, hosts, step_seconds), FakeScorer(), loader,
+                             steps, encoder=None)
     return service, loader
 
 
@@ -332,3 +334,56 @@ def test_each_tokens_behaviour_log_prob_weights_its_correction(monkeypatch, tiny
 
 def service_plan_correction(tiny_model_path):
     return plan_for(tiny_model_path, *LOOP_OVERRIDES, *ASYNC, "worker.rollout.max_staleness=2").driver.advantage.rollout_correction
+
+
+class GrouplessHybrid(FakeHybrid):
+    """The actor's ranks, whose rank 0 counts the attempts to form the weight-transfer group (the
+    first thing forming it asks: rank 0's address) and refuses each, as a node without a free port would."""
+
+    def __init__(self):
+        super().__init__()
+        self.group_attempts = 0
+        self.workers = [SimpleNamespace(node_address=SimpleNamespace(remote=self._node_address))]
+
+    def _node_address(self):
+        self.group_attempts += 1
+        raise ConnectionError("no transfer group in this test")
+
+
+@pytest.mark.parametrize("weight_transfer,attempts", [("auto", 2), ("object_store", 0)])
+def test_weight_transfer_object_store_sends_ray_objects_without_forming_the_group(monkeypatch, tiny_model_path,
+                                                                                  weight_transfer, attempts):
+    # synchronous separate engines: auto tries the collective at each sync (and falls back to Ray objects
+    # for that sync when the group does not form); object_store never tries it. Either way the engine loads the actor's state
+    # dict, {"w": a float32 scalar} = 4 bytes, once per step
+    service, _ = make_service(monkeypatch, tiny_model_path, f"worker.rollout.weight_transfer={weight_transfer}",
+                              actor=GrouplessHybrid())
+    assert service.collective == (weight_transfer == "auto")
+    batches = train(service, 2)
+    engine = service.engines.workers[0].host.rollout
+    assert service.actor.group_attempts == attempts
+    assert service.actor.gathers == 2 and engine.weight_updates == 2  # versions 0 and 1
+    assert [m["perf/weight_sync_bytes"] for _, m in batches] == [4.0, 4.0]
+    assert all(m["timing_s/weight_sync"] > 0 for _, m in batches)
+
+
+def test_auto_tries_the_group_at_three_syncs_then_keeps_the_ray_objects(monkeypatch, tiny_model_path, caplog):
+    service, _ = make_service(monkeypatch, tiny_model_path, actor=GrouplessHybrid())
+    with caplog.at_level(logging.WARNING, logger="easyvlm"):
+        batches = train(service, 5)
+    assert service.actor.group_attempts == TRANSFER_GROUP_TRIES == 3  # syncs 1-3 tried, 4 and 5 did not
+    assert not service.collective and service.actor.gathers == 5
+    assert [m["perf/weight_sync_bytes"] for _, m in batches] == [4.0] * 5  # every sync served by the Ray objects
+    tries = [r.getMessage() for r in caplog.records if "did not form" in r.getMessage()]
+    assert [t.endswith("(tried again at the next)") for t in tries] == [True, True, False]
+    assert "3 of 3 tries" in tries[-1] and tries[-1].endswith("from now on")
+
+
+def test_weight_transfer_collective_stops_when_the_group_does_not_form(monkeypatch, tiny_model_path):
+    service, _ = make_service(monkeypatch, tiny_model_path, "worker.rollout.weight_transfer=collective",
+                              actor=GrouplessHybrid())
+    service.begin(0)
+    with pytest.raises(RuntimeError, match=r"worker\.rollout\.weight_transfer=collective: the weight-transfer group .* "
+                       r"did not form \(ConnectionError"):
+        service.next_batch(1, {})
+    assert service.actor.group_attempts == 1 and service.actor.gathers == 0

@@ -1,5 +1,6 @@
 """One member of a weight-transfer group in its own process (tests/workers/test_weight_transfer.py):
-``tensors RANK SIZE PORT OUT``: rank 0 sends ``member_tensors()``, the others save what they received.
+``tensors RANK SIZE PORT OUT``: rank 0 sends ``member_tensors()``, the others save what they received,
+over ``EASYVLM_TRANSFER_BACKEND`` (gloo, the default; nccl: member r on GPU r, the buffers there).
 ``workers RANK SIZE PORT OUT MODEL``: rank 0 is a HybridWorker whose actor's weights are moved off the
 model files' (+ 1/64 each, exact in float32), the others RolloutHosts on the model files (the
 transformers engine); each saves its weights (the sender: ``weights_for_sync``, a host: its engine's
@@ -7,11 +8,12 @@ state dict) after one ``send_weights`` / ``receive_weights``."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-from easyvlm.workers.weight_transfer import Rendezvous, open_group, receive, send
+from easyvlm.workers.weight_transfer import Rendezvous, open_group, receive, send, transfer_device
 
 BUCKET = 1000  # bytes: several buckets, one tensor (the 2400-byte one) larger than a bucket
 
@@ -29,12 +31,14 @@ def member_tensors() -> dict[str, torch.Tensor]:
 
 
 def tensors(rank: int, meet: Rendezvous, out: str) -> None:
-    group = open_group(meet, rank)
+    if meet.backend == "nccl":
+        torch.cuda.set_device(rank)  # NCCL refuses two members on one device
+    group, device = open_group(meet, rank), transfer_device(meet.backend)
     if rank == 0:
-        sent = send(group, member_tensors().items(), BUCKET, torch.device("cpu"))
+        sent = send(group, member_tensors().items(), BUCKET, device)
         torch.save({"sent": sent}, out)
     else:
-        torch.save({name: t.clone() for name, t in receive(group, torch.device("cpu"))}, out)
+        torch.save({name: t.cpu().clone() for name, t in receive(group, device)}, out)
 
 
 def workers(rank: int, meet: Rendezvous, out: str, model: str) -> None:
@@ -63,5 +67,7 @@ def workers(rank: int, meet: Rendezvous, out: str, model: str) -> None:
 
 if __name__ == "__main__":
     role, rank, size, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    meet = Rendezvous("127.0.0.1", port, size, timeout_s=60.0)
-    tensors(rank, meet, out) if role == "tensors" else workers(rank, meet, out, sys.argv[6])
+    if role == "tensors":
+        tensors(rank, Rendezvous("127.0.0.1", port, size, os.environ.get("EASYVLM_TRANSFER_BACKEND", "gloo"), 60.0), out)
+    else:  # the workers' plan is the CPU's: gloo
+        workers(rank, Rendezvous("127.0.0.1", port, size, timeout_s=60.0), out, sys.argv[6])

@@ -1,7 +1,5 @@
-"""The batch stages: what happens to a step's rollout batch between sampling and the end of the
-update, in the order the plan names them (``easyvlm.plan.stages``). Each is built once per run by
-its factory in ``STAGES`` from the `StageContext`, and reads and writes the step's `StepState`.
-"""
+"""The batch stages between sampling and the end of the update, in the plan's order: each built once
+per run by its factory in ``STAGES`` from the `StageContext`, each reading and writing `StepState`."""
 
 from __future__ import annotations
 

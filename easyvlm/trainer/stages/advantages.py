@@ -6,18 +6,31 @@ from __future__ import annotations
 
 import torch
 
+from easyvlm.agents.loop import TRAJECTORY_KEY
 from easyvlm.algorithms import AdvantageInputs, apply_kl_penalty, get_advantage, kl_penalty
+from easyvlm.algorithms.advantages import own_groups
 from easyvlm.algorithms.distill import distill_advantages as teacher_advantages, distill_metrics
 from easyvlm.algorithms.multi_objective import gdpo_scores, score_as_advantage
 from easyvlm.algorithms.step_groups import step_group_metrics
+from easyvlm.data.batch import Batch
 from easyvlm.trainer import core
 from easyvlm.utils.timing import timed
 from easyvlm.trainer.stages.state import Stage, StageContext, StepState
 
 
+def estimator_group_ids(batch: Batch) -> torch.Tensor:
+    """The batch's group ids with each sample whose environment failed (``finish == "error"``: none of its
+    tokens is trained, and its reward is not the policy's) in a group of its own, out of its group's
+    statistics."""
+    trajectories = batch.get(TRAJECTORY_KEY)
+    if not trajectories:
+        return batch["group_ids"]
+    failed = torch.tensor([t["finish"] == "error" for t in trajectories], dtype=torch.bool)
+    return own_groups(batch["group_ids"], failed)
+
+
 def multi_objective(ctx: StageContext) -> Stage:
-    """``algorithm.multi_objective_aggregation=normalize_then_sum``: GDPO's score from each reward
-    function's own score replaces their weighted sum as the sequence reward."""
+    """``normalize_then_sum``: GDPO's score of the functions' own scores is the sequence reward."""
     weights = ctx.advantage.reward_weights
 
     def run(state: StepState) -> None:
@@ -25,7 +38,7 @@ def multi_objective(ctx: StageContext) -> Stage:
             result = state.result
             per_function = torch.tensor([result.scores[k] for k in result.function_keys], dtype=torch.float32).T
             assert per_function.shape[1] == len(weights), "one score per reward function"
-            state.sequence_rewards = gdpo_scores(per_function, weights, state.batch["group_ids"])
+            state.sequence_rewards = gdpo_scores(per_function, weights, estimator_group_ids(state.batch))
 
     return run
 
@@ -41,8 +54,8 @@ def token_rewards(ctx: StageContext) -> Stage:
 
 
 def kl_in_reward(ctx: StageContext) -> Stage:
-    """The KL to the reference subtracted from the token rewards, with the KL controller's coefficient
-    (``critic/kl``, ``critic/kl_coef``); the controller then adapts to the step's KL."""
+    """The KL to the reference, times the controller's coefficient, subtracted from the token rewards;
+    the controller then adapts to the step's KL."""
     penalty = ctx.advantage.kl.kl_penalty
 
     def run(state: StepState) -> None:
@@ -73,7 +86,7 @@ class Advantages:
             out = self.estimate(AdvantageInputs(
                 token_rewards=state.token_rewards,
                 response_mask=batch["response_mask"].bool(),
-                group_ids=batch["group_ids"],
+                group_ids=estimator_group_ids(batch),
                 values=batch.get("values"),
                 baseline_rewards=batch.get("baseline_rewards"),
                 gamma=adv.gamma,
@@ -90,10 +103,8 @@ class Advantages:
 
 
 def distill_advantages(ctx: StageContext) -> Stage:
-    """On-policy distillation's advantages. ``distill_as_reward``: the teacher's log-prob advantage
-    distill_coef * (log pi_T - log pi_old) per token, added to the estimator's (``distill/reverse_kl``
-    and ``distill/teacher_logprob`` of the step's samples). ``distill_only``: that alone is the
-    advantage, or, with the distillation as a loss term, none (0: the actor's loss has no policy term)."""
+    """On-policy distillation's advantages: distill_coef * (log pi_T - log pi_old) per token, added to the
+    estimator's (``distill_as_reward``) or alone (``distill_only``; 0 with distillation as a loss term)."""
     settings = ctx.advantage.distill
 
     def run(state: StepState) -> None:

@@ -1,5 +1,5 @@
-"""Stages that add the experience the update needs to the rollout batch (ReMax baseline, old,
-reference and teacher log-probs, values), each one worker pass while the reward actor scores."""
+"""Stages that add the experience the update needs to the rollout batch, each one worker pass while
+the reward actor scores."""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def sampler_logprobs(ctx: StageContext) -> Stage:
 
 
 def worker_pass(group: Any, method: str, timing: str, replicas: int, **kwargs: Any) -> Stage:
-    """A stage that adds what ``group``'s ``method`` returns for the batch's model inputs (one
-    data-parallel pass, timed as ``timing_s/<timing>``)."""
+    """A stage adding what ``group``'s ``method`` returns for the batch (timed as ``timing_s/<timing>``)."""
 
     def run(state: StepState) -> None:
         with timed(timing, state.metrics):
@@ -59,15 +58,13 @@ def old_logprobs(ctx: StageContext) -> Stage:
 
 
 def ref_logprobs(ctx: StageContext) -> Stage:
-    """The reference model's log-probs (``ref_kl``: the full KL, with ``algorithm.kl_penalty=full``
-    in the reward; as a loss term the update computes it itself)."""
+    """The reference model's log-probs (and ``ref_kl`` with ``kl_penalty=full`` in the reward)."""
     return worker_pass(ctx.workers.hybrid, "compute_ref_logprobs", "ref", ctx.actor_sp,
                        full_kl=ctx.advantage.kl.kl_penalty == "full")
 
 
 def teacher_logprobs(ctx: StageContext) -> Stage:
-    """On-policy distillation: the teacher's log-probs of the student's sampled tokens
-    (``teacher_logprobs``), in the same packed rows as the reference pass (``timing_s/teacher``)."""
+    """On-policy distillation: the teacher's ``teacher_logprobs`` of the student's sampled tokens."""
     return worker_pass(ctx.workers.hybrid, "compute_teacher_logprobs", "teacher", ctx.actor_sp)
 
 

@@ -17,14 +17,12 @@ class StepState:
 
     step: int
     prompts: Batch
-    """The step's prompts (the ReMax baseline answers them greedily)."""
     batch: Batch
-    """The rollout batch; stages add tensors to it (old / ref log-probs, values, advantages, ...)."""
+    """The rollout batch; stages add tensors to it."""
     reward: Any
     """The rewards in flight (Ray refs of the generation rounds' results, or a result)."""
     metrics: dict[str, float]
     result: Optional[RewardResult] = None
-    """The rewards, once the ``rewards`` stage waited for them."""
     scores: Optional[Tensor] = None
     """(B,) the overall reward of each sample, as logged (``critic/score``)."""
     sequence_rewards: Optional[Tensor] = None
@@ -47,9 +45,8 @@ class StageContext:
     """What the stages use of the run, made once by the Trainer; each factory reads only its part."""
 
     advantage: Any
-    """The plan's ``AdvantageSpec``: estimator, KL, rollout correction, distillation, critic warm-up."""
+    """The plan's ``AdvantageSpec``."""
     workers: Any = None
-    """The run's ``Workers`` (easyvlm.trainer.topology): hybrid ranks, critic."""
     service: Any = None
     """The ``RolloutService`` (ReMax's greedy baseline generates through it)."""
     scorer: Any = None

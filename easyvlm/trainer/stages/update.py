@@ -25,9 +25,8 @@ def update_critic(ctx: StageContext) -> Stage:
 
 
 def rollout_correction(ctx: StageContext) -> Stage:
-    """``algorithm.rollout_correction``: the actor's update batch with importance weights and the
-    response mask without the rejected tokens (which then leave the loss's normaliser too, as in
-    verl). The critic keeps the full mask: its value targets do not depend on the sampler's numerics."""
+    """The actor's update batch with importance weights, rejected tokens out of the mask and the loss's
+    normaliser (verl). The critic keeps the full mask: its targets do not depend on the sampler."""
     rc = ctx.advantage.rollout_correction  # checked by the config check: parsing cannot fail
     config = parse_rollout_correction(rc)
     warmup = ctx.advantage.critic_warmup
@@ -49,8 +48,7 @@ def rollout_correction(ctx: StageContext) -> Stage:
 
 
 def update_actor(ctx: StageContext) -> Stage:
-    """The actor's update after ``critic_warmup`` steps (the rollout service counts the step as a new
-    policy version after the stages)."""
+    """The actor's update after ``critic_warmup`` steps."""
     warmup = ctx.advantage.critic_warmup
 
     def run(state: StepState) -> None:
