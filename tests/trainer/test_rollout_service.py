@@ -387,3 +387,58 @@ def test_weight_transfer_collective_stops_when_the_group_does_not_form(monkeypat
                        r"did not form \(ConnectionError"):
         service.next_batch(1, {})
     assert service.actor.group_attempts == 1 and service.actor.gathers == 0
+
+
+class AdapterHybrid(GrouplessHybrid):
+    """The actor's ranks serving LoRA adapters unmerged: ``adapter_for_sync`` gives (the base if asked, the
+    adapters), each a 4-byte scalar, and records whether the base was asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.with_base: list[bool] = []
+
+    def call_all_async(self, method, *args):
+        assert method == "adapter_for_sync", method
+        self.with_base.append(args[0])
+        self.gathers += 1
+        base = {"base.w": torch.zeros(())} if args[0] else None
+        return [(base, {"lora_A": torch.zeros(())})]
+
+
+class AdapterHost(FakeHost):
+    """An engine that records what each adapter sync loaded: "base+adapter" or "adapter"."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.loads: list[str] = []
+
+    def load_adapter(self, payload):
+        base, adapter = payload
+        self.loads.append("base+adapter" if base is not None else "adapter")
+        return 4 * (len(adapter) + len(base or {}))
+
+
+def test_separate_engines_serving_adapters_get_the_base_once_and_again_after_a_restart(monkeypatch, tiny_model_path):
+    # synchronous separate engines, LoRA unmerged, the group never forms (Ray objects): syncs at steps 1-4;
+    # engine 1 dies after step 2's batch, so step 3's sync restarts it and must send the base again
+    # (bytes: base 4 + adapter 4, then adapter 4)
+    monkeypatch.setattr(LocalGroup, "_host", lambda self: AdapterHost(
+        FakeRolloutEngine(respond, self.plan.rollout.sampling, len(RESPONSE), 0, [2])))
+    service, _ = make_service(monkeypatch, tiny_model_path, "worker.rollout.num_devices=2", "worker.rollout.name=hf",
+                              "worker.actor.model.lora.rank=8", "worker.actor.model.lora.merge_for_rollout=false",
+                              hosts=2, actor=AdapterHybrid())
+    assert service.serves_adapter
+    group = service.engines
+
+    def during(step):
+        if step == 2:
+            group.workers[1].dead = True
+
+    batches = train(service, 4, during=during)
+    assert group.restarts == [1]
+    # step 3's sync first sends the adapters alone (the death is not known yet), engine 1 raises, it is
+    # restarted and the sync sent again with the base
+    assert service.actor.with_base == [True, False, False, True, False]
+    assert group.workers[0].host.loads == ["base+adapter", "adapter", "adapter", "base+adapter", "adapter"]
+    assert group.workers[1].host.loads == ["base+adapter", "adapter"]  # the restarted engine: base first
+    assert [m["perf/weight_sync_bytes"] for _, m in batches] == [8.0, 4.0, 8.0, 4.0]  # one engine's bytes
