@@ -47,7 +47,6 @@ def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:
         DriverSpec, t,  # val_before_train, val_only, val_freq, save_freq, nnodes, load_checkpoint_path, ...
         reward_num_cpus=cfg.worker.reward.num_cpus,
         length=settings_of(RunLength, t, rollout_batch_size=cfg.data.rollout_batch_size),
-        world_size=derived.world_size,
         rounds=rounds,
         advantage=advantage,
         records=records,

@@ -143,8 +143,6 @@ class DriverSpec:
     length: RunLength
     load_checkpoint_path: Optional[str]
     find_last_checkpoint: bool
-    world_size: int
-    """Training ranks (the throughput metrics' per-device figures)."""
     entropy_control: Optional[EntropySettings] = None
     """Set when ``worker.actor.use_adaptive_entropy`` is on: the driver then sets the actor's
     entropy coefficient for each update."""

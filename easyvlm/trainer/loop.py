@@ -187,7 +187,7 @@ class Trainer:
             out.update(trajectory_metrics(batch[TRAJECTORY_KEY]))
         num_tokens = core.count_tokens(batch["attention_mask"])
         out.update(timing_per_token_metrics(metrics, int(mask.sum()), num_tokens))
-        out.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.spec.world_size))
+        out.update(throughput_metrics(num_tokens, metrics["timing_s/step"], self.plan.launch.world_size))
         out["training/global_step"] = float(self.global_step)
         out["training/epoch"] = float(self.train_loader.epoch)
         return out

@@ -37,11 +37,15 @@ class RolloutHost:
 
     def receive_weights(self) -> None:
         """Load the weights the actor's rank 0 broadcasts (``HybridWorker.send_weights``), a bucket at a time."""
-        assert self._transfer is not None, "receive_weights: join_weight_transfer first"
         self.rollout.wake_up(["weights"])
+        self._receive_into(self.rollout.update_weights)
+
+    def _receive_into(self, load) -> None:
+        """One transfer from the actor's rank 0, handed to ``load`` a bucket at a time."""
+        assert self._transfer is not None, "receive: join_weight_transfer first"
         named = receive(self._transfer, self._transfer_device)
         try:
-            self.rollout.update_weights(named)
+            load(named)
         finally:
             drain(named)  # whatever the engine left: the group stays in step
 
@@ -59,15 +63,10 @@ class RolloutHost:
     def receive_adapter(self, with_base: bool) -> None:
         """`receive_weights` for adapters served unmerged (`HybridWorker.send_adapter`): the base first if
         ``with_base``, then the adapters."""
-        assert self._transfer is not None, "receive_adapter: join_weight_transfer first"
         self.rollout.wake_up(["weights"])
         engine = adapter_engine(self.rollout)
         for load in ([engine.update_weights] if with_base else []) + [engine.update_adapter]:
-            named = receive(self._transfer, self._transfer_device)
-            try:
-                load(named)
-            finally:
-                drain(named)
+            self._receive_into(load)
 
     def generate(self, batch: Batch, sampling: Sampling | None = None) -> Batch:
         self.rollout.wake_up(["kv_cache"])

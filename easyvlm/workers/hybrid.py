@@ -127,11 +127,14 @@ class HybridWorker:
     def send_weights(self, bucket_bytes: int) -> int:
         """Broadcast the actor's full weights to the separate engines in buckets from rank 0; returns the
         bytes sent (0 off rank 0). Collective over both groups."""
-        named = self.actor.iter_weights_for_sync(self._transfer_device)
+        return self._send(self.actor.iter_weights_for_sync(self._transfer_device), bucket_bytes)
+
+    def _send(self, named: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> int:
+        """One transfer of ``named`` from rank 0; the other ranks only take part in the gather. Returns the bytes."""
         if self.rank != 0:
             drain(named)
             return 0
-        assert self._transfer is not None, "send_weights: join_weight_transfer first"
+        assert self._transfer is not None, "send: join_weight_transfer first"
         try:
             return send(self._transfer, named, bucket_bytes, self._transfer_device)
         except BaseException:
@@ -143,19 +146,8 @@ class HybridWorker:
         formed: its engines may be new), then the adapters, two transfers. Collective over both groups."""
         self.actor.trained.ensure_loaded()
         parts = [iter_lora_base_state_dict] if with_base else []
-        sent = 0
-        for part in (*parts, iter_lora_adapter):
-            named = part(self.actor.model, self._transfer_device)
-            if self.rank != 0:
-                drain(named)
-                continue
-            assert self._transfer is not None, "send_adapter: join_weight_transfer first"
-            try:
-                sent += send(self._transfer, named, bucket_bytes, self._transfer_device)
-            except BaseException:
-                drain(named)
-                raise
-        return sent
+        return sum(self._send(part(self.actor.model, self._transfer_device), bucket_bytes)
+                   for part in (*parts, iter_lora_adapter))
 
     # ------------------------------------------------------------------ experience and update
     def compute_logprobs(self, batch: Batch) -> Batch:

@@ -114,3 +114,17 @@ def run_scripted(plan: Any, encoder: PromptEncoder, prompts: Batch, script: list
 
 
 Generate = Callable[[Batch, Sampling], Batch]
+
+
+HANGING_ENV = '''
+import time
+
+class Hanging:
+    def reset(self, row):
+        pass
+
+    def step(self, action):
+        time.sleep(30)
+        return "late", False
+'''
+"""An environment file whose steps never answer in time (class ``Hanging``)."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from agent_helpers import LOGPROB, encoder_of, end_of_turn, prompt_batch, run_scripted, tool_plan
+from agent_helpers import HANGING_ENV, LOGPROB, encoder_of, end_of_turn, prompt_batch, run_scripted, tool_plan
 
 from easyvlm.agents.loop import trajectory_metrics
 from easyvlm.agents.render import IMAGE_PLACEHOLDER
@@ -100,24 +100,12 @@ def test_a_failing_environment_ends_its_sample_out_of_the_loss_and_counted(tiny_
     assert metrics["multi_turn/tool_calls/mean"] == 0.0  # an environment's steps are not tool calls
 
 
-HANGING = '''
-import time
-
-class Hanging:
-    def reset(self, row):
-        pass
-
-    def step(self, action):
-        time.sleep(30)
-        return "late", False
-'''
-
 N_SAMPLES = 16
 TIMEOUT = 1.0
 
 
 def test_hanging_environments_cost_one_timeout_not_one_each(tiny_model_path, tmp_path):
-    plan, enc = env_plan(tiny_model_path, tmp_path, HANGING, "Hanging", f"worker.rollout.tool_timeout={TIMEOUT}")
+    plan, enc = env_plan(tiny_model_path, tmp_path, HANGING_ENV, "Hanging", f"worker.rollout.tool_timeout={TIMEOUT}")
     prompts = prompt_batch(enc, rows(*["x"] * N_SAMPLES), tmp_path)
     start = time.perf_counter()
     out, _ = run_scripted(plan, enc, prompts, [["go"]] * N_SAMPLES)

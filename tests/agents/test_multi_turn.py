@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from agent_helpers import LOGPROB, encoder_of, end_of_turn, prompt_batch, run_scripted, tool_plan, two_colour_image
+from agent_helpers import HANGING_ENV, LOGPROB, encoder_of, end_of_turn, prompt_batch, run_scripted, tool_plan, two_colour_image
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
@@ -283,23 +283,11 @@ def test_tool_timeout_comes_from_the_config(tiny_model_path, image_dir, tmp_path
     assert results == ["Error: wait timed out after 0.3 s", "done"]
 
 
-SLOW_ENV = '''
-import time
-
-class Slow:
-    def reset(self, row):
-        pass
-
-    def step(self, action):
-        time.sleep(30)
-        return "late", False
-'''
-
 
 def test_an_environment_step_past_the_time_limit_ends_its_sample(tiny_model_path, image_dir, tmp_path):
     env_file = tmp_path / "slow_env.py"
-    env_file.write_text(SLOW_ENV)
-    plan = tool_plan(tiny_model_path, T, f"worker.rollout.environment={env_file}:Slow", "worker.rollout.tool_timeout=0.2")
+    env_file.write_text(HANGING_ENV)
+    plan = tool_plan(tiny_model_path, T, f"worker.rollout.environment={env_file}:Hanging", "worker.rollout.tool_timeout=0.2")
     enc = encoder_of(plan)
     out, _ = run_scripted(plan, enc, prompt_batch(enc, ROWS[1:], image_dir), [["go", "again"]])
     trajectory = out["trajectory"][0]

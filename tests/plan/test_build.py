@@ -207,7 +207,6 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("data.rollout_batch_size", "48", "driver.length.rollout_batch_size", 48),
         ("data.mini_rollout_batch_size", "12", "driver.rounds.prompts_per_round", 12),
         ("trainer.nnodes", "2", "launch.world_size", 2),
-        ("trainer.nnodes", "2", "driver.world_size", 2),
         ("trainer.total_epochs", "3", "driver.length.total_epochs", 3),
         ("trainer.max_steps", "5", "driver.length.max_steps", 5),
         ("trainer.find_last_checkpoint", "false", "driver.find_last_checkpoint", False),

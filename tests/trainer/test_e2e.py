@@ -32,6 +32,26 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def signal_engine_after_step_1(log: Path, signal_number: int) -> list[int]:
+    """Start a thread that sends ``signal_number`` to rollout engine 0 once ``log`` holds step 1's row;
+    the returned list gets the engine's pid when it was sent."""
+    import threading
+
+    import ray
+
+    sent: list[int] = []
+
+    def wait_and_signal() -> None:
+        while not (log.exists() and log.read_text().strip()):
+            time.sleep(0.02)
+        pid = ray.get(ray.get_actor("easyvlm-rollout-0").pid.remote())
+        os.kill(pid, signal_number)
+        sent.append(pid)
+
+    threading.Thread(target=wait_and_signal, daemon=True).start()
+    return sent
+
+
 def assert_finite(row: dict, keys) -> None:
     for key in keys:
         assert key in row, f"step {row['step']}: no {key!r} in the log row; keys: {sorted(row)}"

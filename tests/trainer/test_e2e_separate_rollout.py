@@ -11,7 +11,7 @@ update old, logs it (rollout/staleness_*) and corrects it with token TIS.
 from __future__ import annotations
 
 import pytest
-from test_e2e import HASH_REWARD, REPO_ROOT, assert_finite, read_jsonl
+from test_e2e import HASH_REWARD, REPO_ROOT, assert_finite, read_jsonl, signal_engine_after_step_1
 
 SEPARATE = ["worker.rollout.placement=separate", "worker.rollout.num_devices=1"]
 
@@ -134,12 +134,7 @@ class TestSeparateRollout:
         3 s here) and kills, so that it is restarted like a dead one. Streamed (partial rollouts):
         the recovery resubmits the lost groups; whole batches: the producer's generation call is
         retried on the restarted engine, given the same weights."""
-        import os
         import signal
-        import threading
-        import time
-
-        import ray
 
         from easyvlm.distributed import worker_group
         from easyvlm.trainer.main import main
@@ -148,18 +143,9 @@ class TestSeparateRollout:
         monkeypatch.setattr(worker_group, "PING_INTERVAL_S", 1.0)
         monkeypatch.setattr(worker_group, "PING_TIMEOUT_S", 3.0)
         log = tmp_path / "experiment_log.jsonl"
-        killed = []
-
-        def kill_the_engine_after_step_1():
-            # step 1 is logged right after its weights were published: the engines are generating
-            # step 2's (k = 1: step 3's) samples when the signal lands (the pid answers at once)
-            while not (log.exists() and log.read_text().strip()):
-                time.sleep(0.02)
-            pid = ray.get(ray.get_actor("easyvlm-rollout-0").pid.remote())
-            os.kill(pid, getattr(signal, signal_name))
-            killed.append(pid)
-
-        threading.Thread(target=kill_the_engine_after_step_1, daemon=True).start()
+        # step 1 is logged right after its weights were published: the engines are generating step 2's
+        # (k = 1: step 3's) samples when the signal lands (the pid answers at once)
+        killed = signal_engine_after_step_1(log, getattr(signal, signal_name))
         main([*e2e_base_args, *SEPARATE, "worker.rollout.name=vllm", "worker.rollout.max_staleness=1",
               f"worker.rollout.partial_rollout={str(partial).lower()}", "trainer.max_steps=4",
               "algorithm.rollout_correction.rollout_is=token", f"trainer.save_checkpoint_path={tmp_path}"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_e2e import assert_finite, read_jsonl
+from test_e2e import assert_finite, read_jsonl, signal_engine_after_step_1
 
 
 def model_bytes(model_path: str) -> int:
@@ -77,24 +77,9 @@ class TestCollectiveWeightTransfer:
     def test_an_engine_killed_after_step_1_rejoins_the_group_and_takes_the_weights(self, e2e_base_args, tmp_path):
         """SIGKILL lands during step 2's broadcast or generation; either way the engine is restarted, the
         group formed again with it, and step 2 onwards sample the current weights (k3 at fp32 noise)."""
-        import os
         import signal
-        import threading
-        import time
 
-        import ray
-
-        log = tmp_path / "experiment_log.jsonl"
-        killed = []
-
-        def kill_the_engine_after_step_1():
-            while not (log.exists() and log.read_text().strip()):
-                time.sleep(0.02)
-            pid = ray.get(ray.get_actor("easyvlm-rollout-0").pid.remote())
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-
-        threading.Thread(target=kill_the_engine_after_step_1, daemon=True).start()
+        killed = signal_engine_after_step_1(tmp_path / "experiment_log.jsonl", signal.SIGKILL)
         rows = run(e2e_base_args, tmp_path, 1)
         assert killed and [r["step"] for r in rows] == [1, 2, 3]
         assert rows[-1]["rollout/engine_restarts"] == 1.0
