@@ -468,7 +468,7 @@ def summarize(steps: list[tuple[dict, dict, dict]], params: Any, plan: Any, peak
     seconds = {p: statistics.fmean(s.get(p, 0.0) for s, _, _ in steps) for p in PHASES}
     step_s = sum(seconds[p] for p in counted)
     work = steps[-1][2]  # EOS-free, same prompts' lengths: every step's work is the same
-    shared = plan.actor.forward.share_prompts
+    shared = plan.actor.forward.settings.share_prompts
     # unrounded: the JSON's figures must recompute from one another (tests/bench/test_gpu_step.py)
     out: dict[str, Any] = {f"{p}_s": float(seconds[p]) for p in PHASES}
     tokens = work.prompt_tokens + work.response_tokens

@@ -120,6 +120,17 @@ class PolicyLossSettings:
         return found
 
 
+@dataclass(frozen=True)
+class ValueLossSettings:
+    """The critic's clipped value loss (``value_losses.py``): the keys ``worker.critic.cliprange_value``
+    and ``loss_avg_mode``. The critic gets them whole (``CriticSpec.value_loss``)."""
+
+    cliprange_value: float = 0.5
+    """Clip range of the value loss: new values stay within old values +- this."""
+    loss_avg_mode: LossAvgMode = "token"
+    """How token value losses become one number (see `worker.actor.loss_avg_mode`)."""
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

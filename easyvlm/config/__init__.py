@@ -14,8 +14,6 @@ from easyvlm.config.worker_schema import (
     ActorConfig,
     CriticConfig,
     FSDPConfig,
-    LoraConfig,
-    ModelConfig,
     OffloadConfig,
     OptimConfig,
     RefConfig,
@@ -25,6 +23,7 @@ from easyvlm.config.worker_schema import (
     WorkerConfig,
 )
 from easyvlm.config.validate import find_problems, validate
+from easyvlm.models.settings import LoraConfig, ModelConfig
 
 __all__ = [
     "ActorConfig",

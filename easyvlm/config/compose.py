@@ -1,35 +1,48 @@
 """How the schema composes the components' settings, so that each setting is declared once (type,
 default and meaning in the component's frozen dataclass): as a whole section, or spliced as flat
-keys into a section (`fields_of`) and handed back whole by a property. `settings_of` fills a
-settings object or plan slice from sections by field name. See docs/architecture.md, "Each
-setting is declared once".
+keys into a section (`fields_of`; a section may give some of them its own default and
+documentation) and handed back whole by a property. `settings_of` fills a settings object or plan
+slice from sections by field name. See docs/architecture.md, "Each setting is declared once".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
 
 SOURCES = "__field_sources__"
 """Class attribute of a section: ``{field name: the settings class that declares it}``."""
+DOCS = "__field_docs__"
+"""Class attribute of a section: ``{field name: this section's own documentation of a spliced field}``."""
 
 
-def fields_of(settings: type, *, after: str, read_as: str) -> Callable[[type], type]:
+def fields_of(
+    settings: type, *, after: str, read_as: str, defaults: Mapping[str, Any] | None = None,
+    docs: Mapping[str, str] | None = None,
+) -> Callable[[type], type]:
     """Class decorator, under ``@dataclass``: ``settings``' fields, in their order and with their
     types and defaults, become fields of the decorated section right after its field ``after``; the
-    section's property ``read_as`` gives them back as a ``settings`` object (`settings_of`)."""
+    section's property ``read_as`` gives them back as a ``settings`` object (`settings_of`).
+    ``defaults`` and ``docs`` replace, for this section only, the default or the documentation of
+    some of the fields: one settings class serves two sections that differ there (the actor's and
+    the critic's forward keys)."""
     if not dataclasses.is_dataclass(settings):
         raise TypeError(f"{settings.__name__} is not a dataclass")
     hints = typing.get_type_hints(settings)
+    names = [f.name for f in dataclasses.fields(settings)]
+    defaults, docs = dict(defaults or {}), dict(docs or {})
+    unknown = [name for name in [*defaults, *docs] if name not in names]
+    if unknown:
+        raise TypeError(f"{settings.__name__} has no field {unknown} to give a section's own default or doc")
 
     def splice(section: type) -> type:
         own = dict(section.__dict__.get("__annotations__", {}))
         if after not in own:
             raise TypeError(f"{section.__name__} has no field {after!r} to put {settings.__name__}'s fields after")
-        clash = [name for name in [f.name for f in dataclasses.fields(settings)] + [read_as] if name in own]
+        clash = [name for name in names + [read_as] if name in own]
         if clash:
             raise TypeError(f"{section.__name__} declares {clash} itself, which {settings.__name__} splices in")
         annotations: dict[str, Any] = {}
@@ -38,7 +51,7 @@ def fields_of(settings: type, *, after: str, read_as: str) -> Callable[[type], t
             if name == after:
                 for f in dataclasses.fields(settings):
                     annotations[f.name] = hints[f.name]
-                    setattr(section, f.name, _default_of(f))
+                    setattr(section, f.name, defaults[f.name] if f.name in defaults else _default_of(f))
         section.__annotations__ = annotations
 
         def read(self: Any) -> Any:
@@ -48,6 +61,7 @@ def fields_of(settings: type, *, after: str, read_as: str) -> Callable[[type], t
         setattr(section, read_as, property(read))
         sources = {**section.__dict__.get(SOURCES, {}), **{f.name: settings for f in dataclasses.fields(settings)}}
         setattr(section, SOURCES, sources)
+        setattr(section, DOCS, {**section.__dict__.get(DOCS, {}), **docs})
         return section
 
     return splice

@@ -14,7 +14,7 @@ import textwrap
 import typing
 from typing import Any, Literal, Union
 
-from easyvlm.config.compose import SOURCES
+from easyvlm.config.compose import DOCS, SOURCES
 
 _NONE = type(None)
 
@@ -173,12 +173,15 @@ def is_finite_number(value: Any) -> bool:
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings: the string literal right after each field, whitespace collapsed, in
     field order. A field spliced in from a component's settings (``easyvlm.config.compose``) has its
-    docstring where that class declares it."""
+    docstring where that class declares it, or the section's own where ``fields_of`` gives one."""
     own = _attribute_docstrings(cls)
-    sources = cls.__dict__.get(SOURCES, {})
+    sources, overrides = cls.__dict__.get(SOURCES, {}), cls.__dict__.get(DOCS, {})
     docs = {}
     for name in [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else list(own):
-        doc = field_docs(sources[name]).get(name) if name in sources else own.get(name)
+        if name in overrides:
+            doc = " ".join(overrides[name].split())
+        else:
+            doc = field_docs(sources[name]).get(name) if name in sources else own.get(name)
         if doc is not None:
             docs[name] = doc
     return docs

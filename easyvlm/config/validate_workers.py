@@ -10,7 +10,8 @@ from typing import Any
 
 from easyvlm.config.introspect import all_keys, describe, field_types, is_finite_number, matches
 from easyvlm.config.names import GROUP_ADV_ESTIMATORS, POLICY_LOSSES, SHIPPED_TOOLS
-from easyvlm.config.worker_schema import LoraConfig, RolloutConfig
+from easyvlm.config.worker_schema import RolloutConfig
+from easyvlm.models.settings import LoraConfig
 from easyvlm.utils.plugins import PluginError, is_plugin_spec, parse_plugin_spec
 from easyvlm.config.validate_placement import check_placement
 from easyvlm.config.checks import Checks, check_fsdp, check_model, check_optim, divisors, name_or_spec, round_up

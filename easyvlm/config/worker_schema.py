@@ -1,10 +1,12 @@
 """The typed ``worker`` section of the configuration: the actor, critic and reference model (their
 model, optimizer, FSDP and offload settings), the rewards (functions, reward model, judge) and the
 rollout. Same conventions as ``easyvlm.config.schema``, which holds the other sections. Composed
-here from the components' declarations (``easyvlm.config.compose``): the optimizer, FSDP and offload
-sections (``easyvlm.workers.settings``), the actor's policy-loss and entropy keys
-(``easyvlm.algorithms.settings``), the rollout's multi-turn keys (``easyvlm.agents.settings``) and its
-placement and asynchrony keys (``easyvlm.rollout.settings``), the reward calls' keys (``easyvlm.rewards.settings``)."""
+here from the components' declarations (``easyvlm.config.compose``): the model sections
+(``easyvlm.models.settings``), the optimizer, FSDP and offload sections and the actor's and critic's
+update and forward keys (``easyvlm.workers.settings``), the actor's policy-loss and entropy keys and
+the critic's value-loss keys (``easyvlm.algorithms.settings``), the rollout's multi-turn keys
+(``easyvlm.agents.settings``) and its placement and asynchrony keys (``easyvlm.rollout.settings``),
+the reward calls' keys (``easyvlm.rewards.settings``)."""
 
 from __future__ import annotations
 
@@ -12,66 +14,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from easyvlm.agents.settings import AgentSettings
-from easyvlm.algorithms.settings import EntropySettings, LossAvgMode, PolicyLossSettings
+from easyvlm.algorithms.settings import EntropySettings, PolicyLossSettings, ValueLossSettings
 from easyvlm.config.compose import fields_of
+from easyvlm.models.settings import ModelConfig
 from easyvlm.rewards.settings import JudgeCallSettings, RewardCallSettings
 from easyvlm.rollout.settings import PlacementSettings
 from easyvlm.utils.dtypes import DType
-from easyvlm.workers.settings import FSDPConfig, OffloadConfig, OptimConfig
-
-@dataclass(frozen=True)
-class LoraConfig:
-    rank: int = 0
-    """LoRA rank; 0 = no LoRA (full fine-tuning), > 0 trains LoRA adapters only."""
-    alpha: int = 64
-    """LoRA alpha (scale = alpha / rank)."""
-    target_modules: str = "all-linear"
-    """Modules that get adapters: `all-linear`, or a regular expression matched against full
-    module names (peft's meaning of a string)."""
-    exclude_modules: Optional[str] = None
-    """Regular expression of modules that get no adapter, e.g. `.*visual.*` to leave the vision
-    tower alone."""
-    merge_for_rollout: Optional[bool] = None
-    """easyvlm extra. How the rollout engine gets the adapters at each weight sync. null: unmerged
-    (the engine holds the base weights, sent once, and applies the adapters it gets each step)
-    where the engine serves every adapted module, else merged, with the reason printed at start;
-    true: merged, W + alpha/rank B A, the whole model each step (EasyR1's way); false: unmerged,
-    refused where the engine cannot (docs/rollout.md, "Weight sync")."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_path: Optional[str] = None
-    """Model to train: `builtin:tiny-qwen2.5-vl`, a local directory in Hugging Face format, or a
-    hub id `org/name` (needs a network)."""
-    tokenizer_path: Optional[str] = None
-    """Tokenizer and processor; None = `model_path`."""
-    override_config: dict[str, Any] = field(default_factory=dict)
-    """Values that override the model's `config.json` when it is loaded."""
-    enable_gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: less memory, about a third more compute."""
-    trust_remote_code: bool = False
-    """Allow running Python code shipped in the model repository. Default differs from EasyR1
-    (True): running code from a model repo is a security decision the user should make
-    explicitly; Qwen2.5-VL needs no remote code."""
-    freeze_vision_tower: bool = False
-    """Train the language model only; the vision encoder's weights stay fixed."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA adapters."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    """easyvlm extra. Attention kernel: sdpa runs everywhere (CPU included); flash_attention_2 is
-    the fast choice on GPUs with flash-attn installed."""
-    experts_implementation: Optional[Literal["grouped_mm", "eager"]] = None
-    """easyvlm extra (transformers' `experts_implementation`). MoE models: how each layer's experts
-    compute. grouped_mm: one grouped matrix product per projection for all experts
-    (`torch.nn.functional.grouped_mm`); eager: transformers' loop, one product per expert hit. Equal
-    within float rounding (docs/models.md). None = grouped_mm (transformers' own default). Expert
-    parallelism computes its local experts as grouped products. A value is refused for dense models."""
-
+from easyvlm.workers.settings import FSDPConfig, ForwardSettings, OffloadConfig, OptimConfig, UpdateSettings
 
 @dataclass(frozen=True)
 @fields_of(EntropySettings, after="use_torch_compile", read_as="entropy")
 @fields_of(PolicyLossSettings, after="max_grad_norm", read_as="policy_loss")
+@fields_of(ForwardSettings, after="ppo_epochs", read_as="forward")
+@fields_of(UpdateSettings, after="micro_batch_size_per_device_for_experience", read_as="update")
 class ActorConfig:
     strategy: Literal["fsdp"] = "fsdp"
     """Training backend (FSDP2)."""
@@ -83,29 +38,10 @@ class ActorConfig:
     over micro-batches)."""
     micro_batch_size_per_device_for_experience: int = 16
     """Samples per forward pass on one device when computing old log-probs (and ref log-probs)."""
-    max_grad_norm: float = 1.0
-    """Clip the gradient norm to this."""
-    # here: the policy loss's keys, clip_ratio_low ... off_policy_mask_threshold (PolicyLossSettings)
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    padding_free: bool = True
-    """Pack sequences without padding in the forward pass (varlen attention: flash-attn on GPUs,
-    SDPA per sequence elsewhere)."""
-    share_prompts: bool = True
-    """easyvlm extra. With padding_free: the samples of one prompt that share a micro-batch run the
-    prompt and its images through the model once, and every response attends to that one copy.
-    Exact (the log-probs and gradients are the unshared ones); it saves (n - 1) / n of the prompt
-    work per group. The reference model follows this setting too."""
-    dynamic_batching: bool = True
-    """Form micro-batches by a token budget instead of a fixed sample count."""
-    ulysses_size: int = 1
-    """Ulysses sequence-parallel degree; 1 = off."""
-    expert_parallel_size: int = 1
-    """easyvlm extra. MoE models: the ranks each MoE layer's experts are split over (expert
-    parallelism: each rank of a group of this many holds num_experts / expert_parallel_size whole
-    experts, and tokens go to their experts' ranks and back by all-to-all); 1 = off (every expert
-    FSDP-sharded over all ranks and gathered in each pass). Must divide the number of devices and the
-    model's experts. The reference model and the teacher follow it where they are MoE (docs/models.md)."""
+    # here: the update's keys max_grad_norm, ppo_epochs (UpdateSettings; spliced first, below the other
+    # splices), and between them the policy loss's keys, clip_ratio_low ... off_policy_mask_threshold
+    # (PolicyLossSettings, spliced after max_grad_norm)
+    # here: the forward keys, padding_free ... expert_parallel_size (ForwardSettings)
     use_torch_compile: bool = True
     """torch.compile the log-prob and entropy kernels."""
     # here: the entropy bonus's keys, entropy_coeff ... entropy_coeff_max (EntropySettings)
@@ -146,6 +82,14 @@ class ActorConfig:
 
 
 @dataclass(frozen=True)
+@fields_of(ForwardSettings, after="ppo_epochs", read_as="forward", defaults={"padding_free": False}, docs={
+    "padding_free": "Pack sequences without padding in the forward pass.",
+    "share_prompts": """easyvlm extra. With padding_free: one pass over each prompt shared by its samples (see
+    `worker.actor.share_prompts`).""",
+    "expert_parallel_size": "easyvlm extra. MoE value models: expert parallelism (see `worker.actor.expert_parallel_size`); 1 = off.",
+})
+@fields_of(ValueLossSettings, after="max_grad_norm", read_as="value_loss")
+@fields_of(UpdateSettings, after="micro_batch_size_per_device_for_experience", read_as="update")
 class CriticConfig:
     strategy: Literal["fsdp"] = "fsdp"
     """Training backend (FSDP2)."""
@@ -155,25 +99,10 @@ class CriticConfig:
     """Samples per forward/backward pass on one device during the value update."""
     micro_batch_size_per_device_for_experience: int = 16
     """Samples per forward pass on one device when computing values."""
-    max_grad_norm: float = 1.0
-    """Clip the gradient norm to this."""
-    cliprange_value: float = 0.5
-    """Clip range of the value loss: new values stay within old values +- this."""
-    loss_avg_mode: LossAvgMode = "token"
-    """How token value losses become one number (see `worker.actor.loss_avg_mode`)."""
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    padding_free: bool = False
-    """Pack sequences without padding in the forward pass."""
-    share_prompts: bool = True
-    """easyvlm extra. With padding_free: one pass over each prompt shared by its samples (see
-    `worker.actor.share_prompts`)."""
-    dynamic_batching: bool = True
-    """Form micro-batches by a token budget instead of a fixed sample count."""
-    ulysses_size: int = 1
-    """Ulysses sequence-parallel degree; 1 = off."""
-    expert_parallel_size: int = 1
-    """easyvlm extra. MoE value models: expert parallelism (see `worker.actor.expert_parallel_size`); 1 = off."""
+    # here: the update's keys max_grad_norm, ppo_epochs (UpdateSettings; spliced first), and between
+    # them the value loss's keys cliprange_value, loss_avg_mode (ValueLossSettings)
+    # here: the forward keys, padding_free ... expert_parallel_size (ForwardSettings, the critic's own
+    # padding_free default and docs above)
     model: ModelConfig = field(default_factory=ModelConfig)
     """The value model (a token-classification head on the policy's architecture); used by
     gae only."""

@@ -7,7 +7,7 @@ import easyvlm.builtin
 from easyvlm.config.checks import lora_module_names
 from easyvlm.config.compose import settings_of
 from easyvlm.config.errors import ConfigError, Problem
-from easyvlm.config.worker_schema import ModelConfig
+from easyvlm.models.settings import ModelConfig
 from easyvlm.models.specs import LoraSpec, ModelBundle, ModelSpec, TokenIds
 
 

@@ -17,6 +17,7 @@ from easyvlm.models.moe_routing import is_moe_config
 from easyvlm.models.specs import ModelBundle, ModelSpec, TokenIds
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import AdapterSpec, EngineSpec, RolloutSpec, Sampling
+from easyvlm.workers.settings import ForwardSettings
 from easyvlm.workers.specs import (
     ActorSpec, CriticSpec, ForwardSpec, MicroBatching, PolicyLossSpec, RefSpec, RewardModelSpec, UpdateSpec,
 )
@@ -39,9 +40,9 @@ def _micro(cfg: PPOConfig, role: ActorConfig | CriticConfig, size: int) -> Micro
 
 
 def _forward(cfg: PPOConfig, role: ActorConfig | CriticConfig, tokens: TokenIds, vision_language: bool) -> ForwardSpec:
-    """A role's forward passes: padding_free, share_prompts and ulysses_size are the role's keys."""
-    return settings_of(
-        ForwardSpec, role,
+    """A role's forward passes: its forward keys (padding_free ... expert_parallel_size) whole."""
+    return ForwardSpec(
+        settings=role.forward,
         temperature=cfg.worker.rollout.temperature,
         blocked_token_ids=tokens.blocked,
         use_torch_compile=cfg.worker.actor.use_torch_compile,  # EasyR1 has the key on the actor only
@@ -71,9 +72,10 @@ def vision_cache_budget(role: ActorConfig | CriticConfig, vision_language: bool)
 
 
 def _update(cfg: PPOConfig, role: ActorConfig | CriticConfig, batching: RoleBatching) -> UpdateSpec:
-    """A role's update: ppo_epochs, max_grad_norm, loss_avg_mode and optim are the role's keys."""
-    return settings_of(
-        UpdateSpec, role,
+    """A role's update: its update keys (max_grad_norm, ppo_epochs) whole and its optim section."""
+    return UpdateSpec(
+        settings=role.update,
+        optim=role.optim,
         mini_batch_per_rank=batching.mini_batch_per_device,
         optimizer_steps_per_step=batching.optimizer_steps_per_step,
         micro=_micro(cfg, role, role.micro_batch_size_per_device_for_update),
@@ -360,9 +362,12 @@ def reward_model_spec(cfg: PPOConfig, bundle: ModelBundle) -> Optional[RewardMod
                        "(train it from the policy's family with `python -m easyvlm.rm`)")
     if problem is not None:
         raise ConfigError([Problem(f"{key}.model_path", problem)])
+    # one device per sequence pass, fixed micro-batches: no Ulysses, no expert parallelism
+    keys = ForwardSettings(padding_free=rm.padding_free, share_prompts=True, dynamic_batching=False, ulysses_size=1,
+                           expert_parallel_size=1)
     forward = ForwardSpec(
-        padding_free=rm.padding_free, share_prompts=True, temperature=1.0, blocked_token_ids=(), use_torch_compile=False,
-        ulysses_size=1, experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
+        settings=keys, temperature=1.0, blocked_token_ids=(), use_torch_compile=False,
+        experience=MicroBatching(rm.micro_batch_size_per_device, dynamic=False, max_token_len=None),
     )
     return settings_of(RewardModelSpec, rm, model=model, forward=forward)
 

@@ -68,8 +68,8 @@ class Trainer:
         self.tracker: Tracker | None = tracker  # opened by the driver before Ray started, else by fit()
         self.viewer: RolloutWriter | None = None  # made by fit() when trainer.rollout_log_freq > 0
         # ranks of a Ulysses group share their samples in the model passes (generation is not split)
-        self.actor_sp = plan.actor.forward.ulysses_size
-        self.critic_sp = plan.critic.forward.ulysses_size if plan.critic is not None else 1
+        self.actor_sp = plan.actor.forward.settings.ulysses_size
+        self.critic_sp = plan.critic.forward.settings.ulysses_size if plan.critic is not None else 1
         # the reward actor starts first (it loads the reward files before anything heavy)
         self.workers = Workers(plan, resources, self.total_steps)
         self.scorer = Scorer(ActorRewards(self.workers.reward_actor), plan.bundle.tokenizer, records.skip_special_tokens,

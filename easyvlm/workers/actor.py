@@ -57,18 +57,19 @@ class ActorWorker:
         ulysses: UlyssesGroup | None = None,
     ):
         check_worker_group(rank, world_size)
+        keys = spec.forward.settings  # worker.actor.padding_free ... expert_parallel_size
         # sequence parallelism (worker.actor.ulysses_size > 1): a group made by the caller (shared
         # with the reference model) or made here; collective either way
-        self.ulysses = ulysses if ulysses is not None else new_ulysses_group(spec.forward.ulysses_size)
+        self.ulysses = ulysses if ulysses is not None else new_ulysses_group(keys.ulysses_size)
         self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
         torch.manual_seed(spec.seed)  # new weights (LoRA) come out equal on every rank
         dtype = model_dtype(spec.fsdp, self.device, torch.float32)
         self.model = build_sharded_model(
-            spec.model, spec.fsdp, role="policy", dtype=dtype, padding_free=spec.forward.padding_free,
+            spec.model, spec.fsdp, role="policy", dtype=dtype, padding_free=keys.padding_free,
             trainable=True, device=self.device, rank=rank, key="worker.actor.fsdp",
-            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=spec.forward.expert_parallel_size,
+            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=keys.expert_parallel_size,
         )
         # a frozen tower's outputs, once per image (worker.actor.vision_cache_mb; models/vision_cache.py)
         self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None
@@ -79,8 +80,9 @@ class ActorWorker:
                                      routing=self.routing, keep_router_logits=spec.router_aux_loss_coef > 0,
                                      vision_cache=self.vision.cache if self.vision else None)
         # FSDP averages gradients over ranks: this factor makes them the global sum (models/ulysses.py)
-        scale = loss_scale(world_size, spec.forward.ulysses_size)
-        self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "actor", grad_scale=scale)
+        scale = loss_scale(world_size, keys.ulysses_size)
+        self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "actor", grad_scale=scale,
+                                    loss_avg_mode=spec.policy_loss.settings.loss_avg_mode)
         # the full KL (algorithm.kl_penalty=full) needs the reference's whole distribution on each
         # micro-batch: the hybrid worker, which holds the reference model too, sets this
         self.reference_distribution: Callable[[Batch], Tensor] | None = None
@@ -145,7 +147,7 @@ class ActorWorker:
 
         update = self.spec.update
         # an on-policy step has one mini-batch (per rank: this rank's whole share) and one epoch
-        assert "old_logprobs" in batch or (update.ppo_epochs == 1 and len(batch) <= update.mini_batch_per_rank), (
+        assert "old_logprobs" in batch or (update.settings.ppo_epochs == 1 and len(batch) <= update.mini_batch_per_rank), (
             "update_policy without old_logprobs is only valid for an on-policy update (update_is_on_policy)"
         )
         if entropy_coeff is None:
@@ -158,7 +160,7 @@ class ActorWorker:
 
     def _micro_loss(self, micro: Batch, normalizer: float, entropy_coeff: float | None = None) -> MicroLoss:
         spec = self.spec
-        mode = spec.update.loss_avg_mode
+        mode = spec.policy_loss.settings.loss_avg_mode
         mask = micro["response_mask"].to(self.device).bool()
         full_kl = spec.kl_loss is not None and spec.kl_loss.kl_penalty == "full"
         distill_full_kl = spec.distill is not None and spec.distill.distill_full_kl
@@ -223,7 +225,7 @@ class ActorWorker:
     def _distill_loss(self, micro: Batch, outputs: dict[str, Tensor], mask: Tensor, normalizer: float,
                       old_logprobs: Tensor, rollout_is_weights: Tensor | None) -> tuple[Tensor, dict[str, float]]:
         """On-policy distillation's unscaled micro-batch loss (``easyvlm.algorithms.distill``) and metrics."""
-        mode = self.spec.update.loss_avg_mode
+        mode = self.spec.policy_loss.settings.loss_avg_mode
         teacher = micro["teacher_logprobs"].to(self.device)
         if self.spec.distill.distill_full_kl:
             per_token = outputs["distill_kl_full"]

@@ -25,19 +25,21 @@ class CriticWorker:
 
     def __init__(self, spec: CriticSpec, *, rank: int, world_size: int, device: torch.device | None = None):
         check_worker_group(rank, world_size)
-        self.ulysses = new_ulysses_group(spec.forward.ulysses_size)  # collective
+        keys = spec.forward.settings  # worker.critic.padding_free ... expert_parallel_size
+        self.ulysses = new_ulysses_group(keys.ulysses_size)  # collective
         self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
         torch.manual_seed(spec.seed)  # the new value head gets the same initial weights on every rank
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="critic", dtype=model_dtype(spec.fsdp, self.device, torch.float32),
-            padding_free=spec.forward.padding_free, trainable=True, device=self.device, rank=rank, key="worker.critic.fsdp",
-            expert_parallel_size=spec.forward.expert_parallel_size,
+            padding_free=keys.padding_free, trainable=True, device=self.device, rank=rank, key="worker.critic.fsdp",
+            expert_parallel_size=keys.expert_parallel_size,
         )
         self.setup = ForwardSetup.of(spec.forward, self.device, dummy_image_for(spec.model.hf_config), self.ulysses)
-        scale = loss_scale(world_size, spec.forward.ulysses_size)  # see models/ulysses.py
-        self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "critic", grad_scale=scale)
+        scale = loss_scale(world_size, keys.ulysses_size)  # see models/ulysses.py
+        self.trained = TrainedModel(self.model, spec.update, spec.offload, self.device, "critic", grad_scale=scale,
+                                    loss_avg_mode=spec.value_loss.loss_avg_mode)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -76,8 +78,8 @@ class CriticWorker:
             micro["values"].to(self.device),
             micro["returns"].to(self.device),
             mask,
-            self.spec.cliprange_value,
-            self.spec.update.loss_avg_mode,
+            self.spec.value_loss.cliprange_value,
+            self.spec.value_loss.loss_avg_mode,
             normalizer,
         )
         return MicroLoss(loss=loss, tokens=float(mask.sum()), sums={"vf_loss": loss.item()}, token_means=dict(metrics))

@@ -76,8 +76,8 @@ class ForwardSetup:
     ) -> "ForwardSetup":
         """A worker's setup from its ForwardSpec plus what the worker built."""
         return cls(
-            device=device, padding_free=spec.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
-            temperature=spec.temperature, share_prompts=spec.share_prompts, dummy_image=dummy_image,
+            device=device, padding_free=spec.settings.padding_free, blocked_token_ids=tuple(spec.blocked_token_ids),
+            temperature=spec.temperature, share_prompts=spec.settings.share_prompts, dummy_image=dummy_image,
             ulysses=ulysses, use_torch_compile=spec.use_torch_compile, routing=routing,
             router_replay=spec.router_replay, keep_router_logits=keep_router_logits, vision_cache=vision_cache,
         )

@@ -46,7 +46,7 @@ class HybridWorker:
     def __init__(self, actor: ActorSpec, ref: Optional[RefSpec], rollout: Optional[RolloutSpec],
                  teacher: Optional[RefSpec] = None):
         self.rank, self.world_size = init_distributed()
-        ulysses = new_ulysses_group(actor.forward.ulysses_size)  # the reference model follows the actor's
+        ulysses = new_ulysses_group(actor.forward.settings.ulysses_size)  # the reference model follows the actor's
         self.actor = ActorWorker(actor, rank=self.rank, world_size=self.world_size, ulysses=ulysses)
         self.ref = RefWorker(ref, rank=self.rank, world_size=self.world_size, ulysses=ulysses) if ref is not None else None
         if self.ref is not None:

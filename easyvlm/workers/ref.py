@@ -38,14 +38,15 @@ class RefWorker:
         """output: the key of the log-probs it returns; section: its config section (error messages)."""
         check_worker_group(rank, world_size)
         self.output = output
-        self.ulysses = ulysses if ulysses is not None else new_ulysses_group(spec.forward.ulysses_size)
+        keys = spec.forward.settings  # the actor's padding_free ... expert_parallel_size
+        self.ulysses = ulysses if ulysses is not None else new_ulysses_group(keys.ulysses_size)
         self.spec = spec
         self.rank, self.world_size = rank, world_size
         self.device = device or worker_device()
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="policy", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
-            padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank, key=f"{section}.fsdp",
-            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=spec.forward.expert_parallel_size,
+            padding_free=keys.padding_free, trainable=False, device=self.device, rank=rank, key=f"{section}.fsdp",
+            shard_vision_blocks=not spec.forward.vision_cache_mb, expert_parallel_size=keys.expert_parallel_size,
         )
         self.vision = CachedTower(self.model, spec.forward.vision_cache_mb, self.device) if spec.forward.vision_cache_mb else None
         # MoE: the routers' state (R3 replays the sampler's experts here too; workers/routing.py)

@@ -30,7 +30,7 @@ class RewardModelWorker:
         self.device = device or worker_device()
         self.model = build_sharded_model(
             spec.model, spec.fsdp, role="reward", dtype=model_dtype(spec.fsdp, self.device, torch.bfloat16),
-            padding_free=spec.forward.padding_free, trainable=False, device=self.device, rank=rank,
+            padding_free=spec.forward.settings.padding_free, trainable=False, device=self.device, rank=rank,
             key="worker.reward_model.fsdp",
         )
         self.model.eval()

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from easyvlm.algorithms.settings import DistillSettings, EntropySettings, KLSettings, PolicyLossSettings
+from easyvlm.algorithms.settings import (
+    DistillSettings, EntropySettings, KLSettings, PolicyLossSettings, ValueLossSettings,
+)
 from easyvlm.models.specs import ModelBundle, ModelSpec
-from easyvlm.workers.settings import FSDPConfig, OffloadConfig, OptimConfig
+from easyvlm.workers.settings import FSDPConfig, ForwardSettings, OffloadConfig, OptimConfig, UpdateSettings
 
 
 @dataclass(frozen=True)
@@ -26,33 +28,33 @@ class MicroBatching:
 class ForwardSpec:
     """How a role runs its model over a batch (actor, reference and critic alike)."""
 
-    padding_free: bool
-    share_prompts: bool
+    settings: ForwardSettings
+    """The role's forward keys (padding_free ... expert_parallel_size; the reference model's and the
+    teacher's are the actor's). Dense models ignore expert_parallel_size; the micro-batches below
+    carry dynamic_batching resolved."""
     temperature: float
     """Logits are divided by the rollout temperature before log-softmax (policy roles)."""
     blocked_token_ids: tuple[int, ...]
     use_torch_compile: bool
-    ulysses_size: int
     experience: MicroBatching
     """Micro-batching of the no-grad passes (old / reference log-probs, values)."""
     vision_cache_mb: int = 0
     """MiB of frozen vision-tower outputs cached by image (``easyvlm.models.vision_cache``); 0 = off."""
     router_replay: str = "disabled"
-    expert_parallel_size: int = 1
-    """MoE models: ranks each layer's experts are split over (1 = off; dense models ignore it)."""
 
 
 @dataclass(frozen=True)
 class UpdateSpec:
-    """One training step of a trained role: epochs x mini-batches x micro-batches, then clip and step."""
+    """One training step of a trained role: epochs x mini-batches x micro-batches, then clip and step.
+    The loss's aggregation (``loss_avg_mode``, which the mini-batch normaliser follows) is the role's
+    loss's: the actor's policy loss, the critic's value loss."""
 
-    ppo_epochs: int
+    settings: UpdateSettings
+    """The role's update keys (max_grad_norm, ppo_epochs)."""
     mini_batch_per_rank: int
     """Samples of one optimizer step on one data-parallel rank (global_batch_size x n / data-parallel size)."""
     optimizer_steps_per_step: int
     micro: MicroBatching
-    max_grad_norm: float
-    loss_avg_mode: str
     norm_length: int
     """The constant of loss_avg_mode seq-mean-token-sum-norm: data.max_response_length."""
     optim: OptimConfig
@@ -110,7 +112,7 @@ class CriticSpec:
     offload: OffloadConfig
     forward: ForwardSpec
     update: UpdateSpec
-    cliprange_value: float
+    value_loss: ValueLossSettings
     seed: int
 
 

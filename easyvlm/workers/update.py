@@ -51,10 +51,11 @@ MicroLossFn = Callable[[Batch, float], MicroLoss]
 
 class TrainedModel:
     """A sharded model with its optimizer and learning-rate schedule. prefix: the metric prefix.
-    grad_scale: the factor on each micro-batch loss (world size: FSDP averages gradients)."""
+    grad_scale: the factor on each micro-batch loss (world size: FSDP averages gradients).
+    loss_avg_mode: the role's loss's aggregation, which the mini-batch normaliser follows."""
 
     def __init__(self, model: nn.Module, update: UpdateSpec, offload: OffloadConfig, device: torch.device,
-                 prefix: str, grad_scale: float):
+                 prefix: str, grad_scale: float, loss_avg_mode: str):
         assert update.total_steps > 0, "set UpdateSpec.total_steps (easyvlm.plan.roles.with_total_steps)"
         self.model = model
         self.spec = update
@@ -62,6 +63,7 @@ class TrainedModel:
         self.device = device
         self.prefix = prefix
         self.grad_scale = grad_scale
+        self.loss_avg_mode = loss_avg_mode
         self.optimizer = build_optimizer(model.parameters(), update.optim)
         self.scheduler = build_scheduler(self.optimizer, update.optim, update.total_steps)
         self._offloaded = False
@@ -75,7 +77,7 @@ class TrainedModel:
         self.model.train()
         history: dict[str, list[float]] = defaultdict(list)
         skipped = 0
-        for _ in range(self.spec.ppo_epochs):
+        for _ in range(self.spec.settings.ppo_epochs):
             for mini in batch.split(self.spec.mini_batch_per_rank):
                 stats, grad_norm, stepped = self._mini_batch(mini, micro_loss)
                 for key, value in stats.items():
@@ -94,7 +96,7 @@ class TrainedModel:
 
     def _mini_batch(self, mini: Batch, micro_loss: MicroLossFn) -> tuple[dict[str, float], float, bool]:
         spec = self.spec
-        local_n = loss_normalizer(mini["response_mask"].bool(), spec.loss_avg_mode, spec.norm_length)
+        local_n = loss_normalizer(mini["response_mask"].bool(), self.loss_avg_mode, spec.norm_length)
         normalizer = all_reduce_sums({"n": local_n}, self.device)["n"]
         size = spec.micro.micro_batch_size
         micros = equalize_micro_batches(micro_batches(mini, size, token_budget(spec.micro, mini)), self.device)
@@ -114,7 +116,8 @@ class TrainedModel:
             for key, value in out.token_means.items():
                 acc[f"{self.prefix}/{key}"] += tokens * value
         totals = all_reduce_sums(acc, self.device)
-        grad_norm, stepped = clip_and_step(self.model, self.optimizer, spec.max_grad_norm, totals["nonfinite"] > 0)
+        grad_norm, stepped = clip_and_step(self.model, self.optimizer, spec.settings.max_grad_norm,
+                                           totals["nonfinite"] > 0)
         stats = {}
         for key, value in totals.items():
             if key in sum_keys:

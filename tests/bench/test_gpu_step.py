@@ -178,7 +178,8 @@ def test_the_gpu_runs_plan_has_the_recipes_settings(shape, tiny_model_path, tmp_
     assert plan.driver.records.loggers == ("console",)  # nothing a GPU machine may lack (tensorboard)
     # fp32 master weights (torch_dtype None: the actor's default), bf16 compute, checkpointing, packed, shared
     assert (actor.fsdp.torch_dtype, actor.fsdp.mp_param_dtype, actor.fsdp.mp_reduce_dtype) == (None, "bf16", "fp32")
-    assert actor.model.gradient_checkpointing and actor.forward.padding_free and actor.forward.share_prompts
+    assert actor.model.gradient_checkpointing
+    assert actor.forward.settings.padding_free and actor.forward.settings.share_prompts
     assert actor.model.attn_implementation == "sdpa"  # no flash-attn here
     assert actor.update.optimizer_steps_per_step == 1 and plan.ref is not None  # on-policy; KL loss
     assert (plan.rollout.engine.name, plan.rollout.sampling.n, plan.rollout.sampling.max_tokens) == ("hf", 8, 256)

@@ -74,13 +74,14 @@ def sections(role: str, spec: str) -> list[tuple[str, str, str, object]]:
 PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object]]]] = {
     "actor update": ((), "cpu", [
         ("worker.actor.global_batch_size", "8", "actor.update.mini_batch_per_rank", 8),  # 8 prompts x n 1 / 1 rank
-        ("worker.actor.ppo_epochs", "2", "actor.update.ppo_epochs", 2),
+        ("worker.actor.ppo_epochs", "2", "actor.update.settings.ppo_epochs", 2),
         ("worker.actor.micro_batch_size_per_device_for_update", "4", "actor.update.micro.micro_batch_size", 4),
         ("worker.actor.micro_batch_size_per_device_for_experience", "3", "actor.forward.experience.micro_batch_size", 3),
         ("worker.actor.dynamic_batching", "true", "actor.update.micro.dynamic", True),
         ("worker.actor.max_token_len_per_device", "1000", "actor.update.micro.max_token_len", 1000),
-        ("worker.actor.max_grad_norm", "0.5", "actor.update.max_grad_norm", 0.5),
-        ("worker.actor.loss_avg_mode", "seq-mean-token-sum-norm", "actor.update.loss_avg_mode", "seq-mean-token-sum-norm"),
+        ("worker.actor.max_grad_norm", "0.5", "actor.update.settings.max_grad_norm", 0.5),
+        ("worker.actor.loss_avg_mode", "seq-mean-token-sum-norm", "actor.policy_loss.settings.loss_avg_mode",
+         "seq-mean-token-sum-norm"),  # the update's normaliser follows the policy loss's mode
         ("data.max_response_length", "48", "actor.update.norm_length", 48),
     ]),
     "vision cache": (("worker.actor.model.freeze_vision_tower=true", "algorithm.use_kl_loss=true"), "cpu", [
@@ -113,19 +114,20 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.actor.ppo_kl_coef", "0.5", "actor.policy_loss.settings.ppo_kl_coef", 0.5),
     ]),
     "actor and ref forward": ((), "cpu", [
-        ("worker.actor.padding_free", "false", "actor.forward.padding_free", False),
-        ("worker.actor.share_prompts", "false", "actor.forward.share_prompts", False),
+        ("worker.actor.padding_free", "false", "actor.forward.settings.padding_free", False),
+        ("worker.actor.share_prompts", "false", "actor.forward.settings.share_prompts", False),
         ("worker.actor.use_torch_compile", "true", "actor.forward.use_torch_compile", True),
         ("worker.rollout.temperature", "0.7", "actor.forward.temperature", 0.7),
         # the reference model runs the actor's forward settings (EasyR1 has them on the actor only)
-        ("worker.actor.padding_free", "false", "ref.forward.padding_free", False),
-        ("worker.actor.share_prompts", "false", "ref.forward.share_prompts", False),
+        ("worker.actor.padding_free", "false", "ref.forward.settings.padding_free", False),
+        ("worker.actor.share_prompts", "false", "ref.forward.settings.share_prompts", False),
         ("worker.actor.use_torch_compile", "true", "ref.forward.use_torch_compile", True),
         ("worker.actor.micro_batch_size_per_device_for_experience", "3", "ref.forward.experience.micro_batch_size", 3),
     ]),
     "ulysses": (("trainer.n_gpus_per_node=2",), "cpu", [
-        ("worker.actor.ulysses_size", "2", "actor.forward.ulysses_size", 2),  # 4 heads, 2 key/value heads: divisible
-        ("worker.actor.ulysses_size", "2", "ref.forward.ulysses_size", 2),
+        # 4 heads, 2 key/value heads: divisible
+        ("worker.actor.ulysses_size", "2", "actor.forward.settings.ulysses_size", 2),
+        ("worker.actor.ulysses_size", "2", "ref.forward.settings.ulysses_size", 2),
     ]),
     "actor model": ((), "cpu", [
         ("worker.actor.model.enable_gradient_checkpointing", "true", "actor.model.gradient_checkpointing", True),
@@ -147,19 +149,19 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
     "ref sections": ((), "cpu", sections("ref", "ref")),
     "critic": (GAE, "cpu", [
         ("worker.critic.global_batch_size", "8", "critic.update.mini_batch_per_rank", 8),
-        ("worker.critic.ppo_epochs", "2", "critic.update.ppo_epochs", 2),
+        ("worker.critic.ppo_epochs", "2", "critic.update.settings.ppo_epochs", 2),
         ("worker.critic.micro_batch_size_per_device_for_update", "2", "critic.update.micro.micro_batch_size", 2),
         ("worker.critic.micro_batch_size_per_device_for_experience", "4", "critic.forward.experience.micro_batch_size", 4),
         ("worker.critic.dynamic_batching", "true", "critic.update.micro.dynamic", True),
-        ("worker.critic.max_grad_norm", "0.5", "critic.update.max_grad_norm", 0.5),
-        ("worker.critic.cliprange_value", "0.2", "critic.cliprange_value", 0.2),
-        ("worker.critic.loss_avg_mode", "seq", "critic.update.loss_avg_mode", "seq"),
-        ("worker.critic.padding_free", "true", "critic.forward.padding_free", True),
-        ("worker.critic.share_prompts", "false", "critic.forward.share_prompts", False),
+        ("worker.critic.max_grad_norm", "0.5", "critic.update.settings.max_grad_norm", 0.5),
+        ("worker.critic.cliprange_value", "0.2", "critic.value_loss.cliprange_value", 0.2),
+        ("worker.critic.loss_avg_mode", "seq", "critic.value_loss.loss_avg_mode", "seq"),
+        ("worker.critic.padding_free", "true", "critic.forward.settings.padding_free", True),
+        ("worker.critic.share_prompts", "false", "critic.forward.settings.share_prompts", False),
         ("trainer.seed", "7", "critic.seed", 7),
     ]),
     "critic ulysses": ((*GAE, "trainer.n_gpus_per_node=2", "worker.critic.padding_free=true"), "cpu", [
-        ("worker.critic.ulysses_size", "2", "critic.forward.ulysses_size", 2),
+        ("worker.critic.ulysses_size", "2", "critic.forward.settings.ulysses_size", 2),
     ]),
     "critic model": (GAE, "cpu", [
         ("worker.critic.model.override_config", "{text_config: {rms_norm_eps: 0.001}}", "critic.model.hf_config.text_config.rms_norm_eps",
@@ -219,7 +221,7 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.rollout.num_devices", "2", "launch.separate_rollout_devices", 2),
     ]),
     "algorithm": ((), "cpu", [
-        ("algorithm.adv_estimator", "gae", "critic.cliprange_value", 0.5),
+        ("algorithm.adv_estimator", "gae", "critic.value_loss.cliprange_value", 0.5),
         ("algorithm.disable_kl", "true", "driver.advantage.use_reference", False),
     ]),
     "kl loss": ((), "cpu", [("algorithm.use_kl_loss", "true", "driver.advantage.kl_in_loss", True)]),

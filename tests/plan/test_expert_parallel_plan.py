@@ -22,16 +22,16 @@ def moe_model(easyvlm_cache_dir) -> str:
 
 def test_expert_keys_reach_every_role(moe_model):
     default = plan_for(moe_model, *TWO_RANKS, *GAE)
-    assert default.actor.forward.expert_parallel_size == default.critic.forward.expert_parallel_size == 1
+    assert default.actor.forward.settings.expert_parallel_size == default.critic.forward.settings.expert_parallel_size == 1
     assert default.actor.model.experts_implementation is None
     plan = plan_for(moe_model, *TWO_RANKS, *GAE, "worker.actor.expert_parallel_size=2",
                     "worker.critic.expert_parallel_size=2", "worker.actor.model.experts_implementation=grouped_mm",
                     "worker.critic.model.experts_implementation=grouped_mm", "worker.teacher.enable=true",
                     f"worker.teacher.model.model_path={moe_model}", "algorithm.distill_coef=0.5")
     # the reference model and the (MoE) teacher run the actor's forward settings, expert parallelism included
-    assert plan.actor.forward.expert_parallel_size == plan.ref.forward.expert_parallel_size == 2
-    assert plan.teacher.forward.expert_parallel_size == 2
-    assert plan.critic.forward.expert_parallel_size == 2
+    assert plan.actor.forward.settings.expert_parallel_size == plan.ref.forward.settings.expert_parallel_size == 2
+    assert plan.teacher.forward.settings.expert_parallel_size == 2
+    assert plan.critic.forward.settings.expert_parallel_size == 2
     assert plan.actor.model.experts_implementation == plan.ref.model.experts_implementation == "grouped_mm"
     assert plan.critic.model.experts_implementation == "grouped_mm"
     eager = plan_for(moe_model, *GAE, "worker.actor.model.experts_implementation=eager",

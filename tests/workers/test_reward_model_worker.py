@@ -86,7 +86,7 @@ def test_keys_reach_the_reward_model_spec(tiny_model_path, exported_reward_model
         "worker.reward_model.fsdp.mp_buffer_dtype=bf16",
     ).reward_model
     assert spec.model.model_dir == exported_reward_model
-    assert spec.forward.experience.micro_batch_size == 5 and not spec.forward.padding_free
+    assert spec.forward.experience.micro_batch_size == 5 and not spec.forward.settings.padding_free
     assert spec.normalize == "running"
     assert spec.model.attn_implementation == "eager" and spec.model.trust_remote_code
     assert spec.model.hf_config.get_text_config().rms_norm_eps == 0.001
@@ -94,7 +94,8 @@ def test_keys_reach_the_reward_model_spec(tiny_model_path, exported_reward_model
             spec.fsdp.torch_dtype, spec.fsdp.fsdp_size) == (False, True, False, True, "bf16", 1)
     assert (spec.fsdp.mp_param_dtype, spec.fsdp.mp_reduce_dtype, spec.fsdp.mp_buffer_dtype) == ("fp32", "bf16", "bf16")
     default = rm_plan(tiny_model_path, exported_reward_model).reward_model
-    assert default.forward.experience.micro_batch_size == 16 and default.forward.padding_free and default.normalize == "none"
+    assert default.forward.experience.micro_batch_size == 16 and default.forward.settings.padding_free
+    assert default.normalize == "none"
     assert plan_for(tiny_model_path).reward_model is None  # off by default
 
 

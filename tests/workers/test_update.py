@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from easyvlm.config.worker_schema import OffloadConfig, OptimConfig
+from easyvlm.workers.settings import UpdateSettings
 from easyvlm.workers.specs import MicroBatching, UpdateSpec
 from easyvlm.workers import update as update_module
 from easyvlm.workers.update import TrainedModel
 
 UPDATE = UpdateSpec(
-    ppo_epochs=1, mini_batch_per_rank=1, optimizer_steps_per_step=1, micro=MicroBatching(1, False, None),
-    max_grad_norm=1.0, loss_avg_mode="token", norm_length=1, optim=OptimConfig(), total_steps=1,
+    settings=UpdateSettings(), mini_batch_per_rank=1, optimizer_steps_per_step=1, micro=MicroBatching(1, False, None),
+    norm_length=1, optim=OptimConfig(), total_steps=1,
 )
 
 
@@ -28,7 +29,7 @@ def test_offload_moves_what_the_keys_ask_and_brings_it_back(monkeypatch, offload
     monkeypatch.setattr(update_module, "load_model_to", lambda model, device: moves.append(("params", device.type)))
     monkeypatch.setattr(update_module, "load_optimizer_to", lambda optimizer, device: moves.append(("optimizer", device.type)))
     offload = OffloadConfig(offload_params=offload_params, offload_optimizer=offload_optimizer)
-    trained = TrainedModel(torch.nn.Linear(2, 1), UPDATE, offload, torch.device("cpu"), "actor", grad_scale=1.0)
+    trained = TrainedModel(torch.nn.Linear(2, 1), UPDATE, offload, torch.device("cpu"), "actor", grad_scale=1.0, loss_avg_mode="token")
     trained.offload()
     assert moves == [("params", "host")] * offload_params + [("optimizer", "host")] * offload_optimizer
     moves.clear()
