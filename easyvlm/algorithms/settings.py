@@ -1,5 +1,5 @@
 """The algorithms' settings, each declared once with its type, default and meaning; the config schema
-composes them into its sections as flat keys (``easyvlm.config.compose``). Torch-free (the config check
+composes them into its sections as flat keys (``easyvlm.utils.compose``). Torch-free (the config check
 imports it). A new loss hyperparameter is a field here plus its use in ``policy_losses.py``."""
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from easyvlm.config.worker_schema import (
     OptimConfig,
     RefConfig,
     RewardConfig,
-    RewardFunctionConfig,
     RolloutConfig,
     WorkerConfig,
 )
 from easyvlm.config.validate import find_problems, validate
 from easyvlm.models.settings import LoraConfig, ModelConfig
+from easyvlm.rewards.settings import RewardFunctionConfig
 
 __all__ = [
     "ActorConfig",

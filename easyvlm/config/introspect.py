@@ -14,7 +14,7 @@ import textwrap
 import typing
 from typing import Any, Literal, Union
 
-from easyvlm.config.compose import DOCS, SOURCES
+from easyvlm.utils.compose import DOCS, SOURCES
 
 _NONE = type(None)
 
@@ -172,7 +172,7 @@ def is_finite_number(value: Any) -> bool:
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings: the string literal right after each field, whitespace collapsed, in
-    field order. A field spliced in from a component's settings (``easyvlm.config.compose``) has its
+    field order. A field spliced in from a component's settings (``easyvlm.utils.compose``) has its
     docstring where that class declares it, or the section's own where ``fields_of`` gives one."""
     own = _attribute_docstrings(cls)
     sources, overrides = cls.__dict__.get(SOURCES, {}), cls.__dict__.get(DOCS, {})

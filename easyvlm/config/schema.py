@@ -6,7 +6,7 @@ why. Extras that EasyR1 lacks are marked "easyvlm extra".
 
 The ``worker`` section's classes are in ``easyvlm.config.worker_schema``, the names that string keys
 accept in ``easyvlm.config.names``. The settings a component reads are declared once, with the
-component, and composed here (``easyvlm.config.compose``): whole sections (``data``:
+component, and composed here (``easyvlm.utils.compose``): whole sections (``data``:
 ``easyvlm.data.settings``; ``algorithm.rollout_correction``:
 ``easyvlm.algorithms.rollout_correction_settings``) or flat keys in their place (the KL penalty's
 and online filtering's keys of ``algorithm``: ``easyvlm.algorithms.settings``). The dataclasses are
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from easyvlm.algorithms.settings import DistillSettings, KLSettings, OnlineFilterSettings
-from easyvlm.config.compose import fields_of
+from easyvlm.utils.compose import fields_of
 from easyvlm.config.names import LoggerName
 from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
 from easyvlm.data.settings import DataConfig

@@ -17,7 +17,7 @@ from easyvlm.config.names import ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
 from easyvlm.config.schema import PPOConfig
 from easyvlm.config.worker_schema import RolloutConfig
 from easyvlm.config.checks import Checks, check_fsdp, divisors, looks_local, name_or_spec, type_problems
-from easyvlm.config.compose import settings_problems
+from easyvlm.utils.compose import settings_problems
 from easyvlm.config.validate_distill import check_distillation
 from easyvlm.config.validate_workers import (
     check_actor, check_critic, check_judge, check_reward, check_reward_model, check_rollout, differs,

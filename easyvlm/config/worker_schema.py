@@ -1,12 +1,13 @@
 """The typed ``worker`` section of the configuration: the actor, critic and reference model (their
 model, optimizer, FSDP and offload settings), the rewards (functions, reward model, judge) and the
 rollout. Same conventions as ``easyvlm.config.schema``, which holds the other sections. Composed
-here from the components' declarations (``easyvlm.config.compose``): the model sections
-(``easyvlm.models.settings``), the optimizer, FSDP and offload sections and the actor's and critic's
-update and forward keys (``easyvlm.workers.settings``), the actor's policy-loss and entropy keys and
-the critic's value-loss keys (``easyvlm.algorithms.settings``), the rollout's multi-turn keys
-(``easyvlm.agents.settings``) and its placement and asynchrony keys (``easyvlm.rollout.settings``),
-the reward calls' keys (``easyvlm.rewards.settings``)."""
+here from the components' declarations (``easyvlm.utils.compose``): the model sections
+(``easyvlm.models.settings``), the optimizer, FSDP and offload sections, the actor's and critic's
+update and forward keys and the reference model's, the teacher's and the reward model's sections
+(``easyvlm.workers.settings``), the actor's policy-loss and entropy keys and the critic's value-loss
+keys (``easyvlm.algorithms.settings``), the rollout's multi-turn keys (``easyvlm.agents.settings``)
+and its placement and asynchrony keys (``easyvlm.rollout.settings``), the reward and judge sections
+(``easyvlm.rewards.settings``)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,21 @@ from typing import Any, Literal, Optional
 
 from easyvlm.agents.settings import AgentSettings
 from easyvlm.algorithms.settings import EntropySettings, PolicyLossSettings, ValueLossSettings
-from easyvlm.config.compose import fields_of
 from easyvlm.models.settings import ModelConfig
-from easyvlm.rewards.settings import JudgeCallSettings, RewardCallSettings
+from easyvlm.rewards.settings import JudgeConfig, RewardConfig
 from easyvlm.rollout.settings import PlacementSettings
+from easyvlm.utils.compose import fields_of
 from easyvlm.utils.dtypes import DType
-from easyvlm.workers.settings import FSDPConfig, ForwardSettings, OffloadConfig, OptimConfig, UpdateSettings
+from easyvlm.workers.settings import (
+    FSDPConfig,
+    ForwardSettings,
+    OffloadConfig,
+    OptimConfig,
+    RefConfig,
+    RewardModelConfig,
+    TeacherConfig,
+    UpdateSettings,
+)
 
 @dataclass(frozen=True)
 @fields_of(EntropySettings, after="use_torch_compile", read_as="entropy")
@@ -112,147 +122,6 @@ class CriticConfig:
     """FSDP settings of the critic."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """CPU offloading of the critic while idle."""
-
-
-@dataclass(frozen=True)
-class RefConfig:
-    strategy: Literal["fsdp"] = "fsdp"
-    """Backend of the reference model (the actor's initial weights, for the KL penalty).
-    Micro-batch size, padding-free, Ulysses and torch.compile follow `worker.actor`."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP settings of the reference model."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    """CPU offloading of the reference model while idle."""
-
-
-@dataclass(frozen=True)
-class TeacherModelConfig:
-    model_path: Optional[str] = None
-    """The teacher: `builtin:tiny-qwen2.5-vl-teacher`, a local directory in Hugging Face format or a
-    hub id. It scores the student's tokens as they are, so it must share the student's tokenizer
-    and image processor (checked before start); it may be larger, have more (padding) output rows,
-    or be the MoE / dense sibling of the student's generation (qwen3_vl_moe for qwen3_vl ...)."""
-    override_config: dict[str, Any] = field(default_factory=dict)
-    """Values that override the teacher's `config.json` when it is loaded."""
-    trust_remote_code: bool = False
-    """Allow running Python code shipped in the teacher's repository."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    """Attention kernel of the teacher (see `worker.actor.model.attn_implementation`)."""
-
-
-@dataclass(frozen=True)
-class TeacherConfig:
-    enable: bool = False
-    """easyvlm extra. On-policy distillation's teacher: a frozen model that gives its log-probs on the
-    student's samples in the same packed rows as the reference model (`algorithm.distill_coef`).
-    Micro-batch size, padding-free, shared prompts, Ulysses and torch.compile follow `worker.actor`."""
-    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
-    """The teacher model."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP settings of the teacher (`fsdp.torch_dtype`: its dtype; None = bf16 on GPUs, as the
-    reference model)."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    """CPU offloading of the teacher while idle."""
-
-
-@dataclass(frozen=True)
-class RewardFunctionConfig:
-    reward_function: str = ""
-    """`path/to/file.py:func` (without `:func` the function is `main`)."""
-    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments bound to the function."""
-    weight: float = 1.0
-    """Weight of this function's `overall` in the combined `overall`."""
-
-
-@dataclass(frozen=True)
-@fields_of(RewardCallSettings, after="num_cpus", read_as="calls")
-class RewardConfig:
-    reward_type: Optional[Literal["batch", "sequential"]] = None
-    """batch: the function gets the list of all samples; sequential: one sample per call. None =
-    the file's `REWARD_TYPE` constant, else batch. Default differs from EasyR1 ("batch"): the
-    reward file knows how it wants to be called."""
-    reward_function: Optional[str] = None
-    """`path/to/file.py:func` (relative to the working directory; without `:func` the function is
-    `main`)."""
-    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments bound to the reward function."""
-    skip_special_tokens: bool = True
-    """Decode responses without special tokens before scoring."""
-    num_cpus: int = 1
-    """CPUs reserved for the reward actor."""
-    # here: how the functions are called, timeout ... num_workers (RewardCallSettings)
-    reward_functions: list[RewardFunctionConfig] = field(default_factory=list)
-    """easyvlm extra. Several reward functions: when non-empty, `overall` is the weighted sum of
-    their `overall`s and `reward_function` must be unset."""
-
-
-@dataclass(frozen=True)
-class RewardModelModelConfig:
-    model_path: Optional[str] = None
-    """The reward model: the `huggingface/` directory `python -m easyvlm.rm` exports, or any
-    scalar sequence-classification model (`...ForSequenceClassification`, `num_labels=1`) that
-    shares the policy's tokenizer; a local directory or a hub id."""
-    override_config: dict[str, Any] = field(default_factory=dict)
-    """Values that override the reward model's `config.json` when it is loaded."""
-    trust_remote_code: bool = False
-    """Allow running Python code shipped in the reward model's repository."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    """Attention kernel of the reward model (see `worker.actor.model.attn_implementation`)."""
-
-
-@dataclass(frozen=True)
-class RewardModelConfig:
-    enable: bool = False
-    """easyvlm extra (verl's `reward_model.enable`). Score every response with a trained reward
-    model in its own worker group. Its score reaches reward functions as `reward_model_score`;
-    `reward_functions/reward_model.py:compute_score` returns it as the reward, alone or weighted
-    with rule rewards in `worker.reward.reward_functions`."""
-    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    """The reward model's files."""
-    micro_batch_size_per_device: int = 16
-    """Sequences per forward pass on one device (verl's `micro_batch_size_per_gpu`)."""
-    padding_free: bool = True
-    """Pack sequences without padding; the samples of one prompt share its pass."""
-    normalize: Literal["none", "running"] = "none"
-    """`running`: standardise each score by the running mean and standard deviation of all scores
-    seen so far in training (kept in checkpoints; validation uses them without updating them). The
-    reward's scale stops depending on the reward model's, at the price of a moving target early on."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP settings of the reward model."""
-
-
-@dataclass(frozen=True)
-@fields_of(JudgeCallSettings, after="max_pixels", read_as="calls")
-class JudgeConfig:
-    enable: bool = False
-    """easyvlm extra. Score every response with a generative judge: a VLM reads the template
-    below and writes a verdict, which `parser` turns into a score. It reaches reward functions as
-    `judge_score`; `reward_functions/judge.py:compute_score` returns it as the reward."""
-    model_path: Optional[str] = None
-    """The judge model (a generation model, like the policy's): a local directory, a hub id or a
-    `builtin:` model."""
-    trust_remote_code: bool = False
-    """Allow running Python code shipped in the judge model's repository."""
-    engine: Literal["vllm", "hf"] = "vllm"
-    """The judge's generation engine (greedy)."""
-    template: Optional[str] = None
-    """Jinja file of the judge's prompt, with `question` (the row's prompt, `<image>` placeholders:
-    the sample's images), `response`, `ground_truth`, `num_images`; e.g.
-    format_prompts/judge.jinja."""
-    parser: Optional[str] = None
-    """`path/to/file.py:func` turning the verdict into a score: `func(verdict: str, sample: dict)
-    -> float`; raise for a verdict that does not parse (e.g. reward_functions/judge.py:parse_yes_no)."""
-    max_tokens: int = 16
-    """Verdict tokens."""
-    max_prompt_length: int = 1024
-    """Judge prompt tokens (images included); longer prompts fail as a judge error."""
-    # None, not data.min_pixels' default: the judge is another model, whose processor knows its own limits
-    min_pixels: Optional[int] = None
-    """Pixel limits of the judge's images; None = the judge processor's own."""
-    max_pixels: Optional[int] = None
-    """See `min_pixels`."""
-    # here: how the judge is called, num_workers ... cache_size (JudgeCallSettings)
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import ModelConfig, RewardConfig
+from easyvlm.config.worker_schema import ModelConfig
 from easyvlm.data.settings import DataConfig
 from easyvlm.config.validate import notices
 from easyvlm.agents.specs import AgentSpec
 from easyvlm.models.specs import ModelBundle
 from easyvlm.plan.specs import DriverSpec, LaunchSpec
+from easyvlm.rewards.settings import RewardConfig
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import RolloutSpec
 from easyvlm.workers.specs import ActorSpec, CriticSpec, RefSpec, RewardModelSpec

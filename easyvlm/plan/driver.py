@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from easyvlm.algorithms.rollout_correction_settings import staleness_correction
-from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived
 from easyvlm.config.schema import PPOConfig
 from easyvlm.plan.specs import AdvantageSpec, DriverSpec, RecordsSpec, RoundsSpec, RunLength
+from easyvlm.utils.compose import settings_of
 
 
 def driver_spec(cfg: PPOConfig, derived: Derived) -> DriverSpec:

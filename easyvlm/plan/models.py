@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import easyvlm.builtin
 from easyvlm.config.checks import lora_module_names
-from easyvlm.config.compose import settings_of
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.models.settings import ModelConfig
 from easyvlm.models.specs import LoraSpec, ModelBundle, ModelSpec, TokenIds
+from easyvlm.utils.compose import settings_of
 
 
 def load_bundle(model: ModelConfig, key: str = "worker.actor.model") -> ModelBundle:

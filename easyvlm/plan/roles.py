@@ -8,7 +8,6 @@ import logging
 from typing import Any, Optional
 
 from easyvlm.algorithms.rollout_correction_settings import parse_is_threshold
-from easyvlm.config.compose import settings_of
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import PPOConfig
@@ -23,6 +22,7 @@ from easyvlm.workers.specs import (
 )
 from easyvlm.plan.checks import moe_model_problems
 from easyvlm.plan.models import load_bundle, model_spec
+from easyvlm.utils.compose import settings_of
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.utils.plugins import is_plugin_spec, read_plugin_source
 

@@ -1,14 +1,18 @@
-"""How the reward functions and the generative judge are called, declared once: the keys
+"""The reward sections, declared once: ``worker.reward`` (`RewardConfig`, its ``reward_functions``
+entries `RewardFunctionConfig`) and ``worker.judge`` (`JudgeConfig`), which the config schema holds
+as they are. How the reward functions and the generative judge are called, the keys
 ``worker.reward.timeout``, ``on_error`` and ``num_workers`` and ``worker.judge.num_workers`` ...
-``cache_size``, which the config schema composes in their place and the reward manager and the judge
-read whole (``RewardSettings.calls``, ``JudgeSpec.calls``). Torch-free: the config check imports
+``cache_size``, are spliced into them in their place and read whole by the reward manager and the
+judge (``RewardSettings.calls``, ``JudgeSpec.calls``). Torch-free: the config check imports
 this module."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from easyvlm.utils.compose import fields_of
 
 ON_ERROR = ("raise", "zero")
 
@@ -68,3 +72,68 @@ class JudgeCallSettings:
         if not s.cache_size >= 0:
             found.append(("cache_size", f"must be >= 0, got {s.cache_size}"))
         return found
+
+
+@dataclass(frozen=True)
+class RewardFunctionConfig:
+    reward_function: str = ""
+    """`path/to/file.py:func` (without `:func` the function is `main`)."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to the function."""
+    weight: float = 1.0
+    """Weight of this function's `overall` in the combined `overall`."""
+
+
+@dataclass(frozen=True)
+@fields_of(RewardCallSettings, after="num_cpus", read_as="calls")
+class RewardConfig:
+    reward_type: Optional[Literal["batch", "sequential"]] = None
+    """batch: the function gets the list of all samples; sequential: one sample per call. None =
+    the file's `REWARD_TYPE` constant, else batch. Default differs from EasyR1 ("batch"): the
+    reward file knows how it wants to be called."""
+    reward_function: Optional[str] = None
+    """`path/to/file.py:func` (relative to the working directory; without `:func` the function is
+    `main`)."""
+    reward_function_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments bound to the reward function."""
+    skip_special_tokens: bool = True
+    """Decode responses without special tokens before scoring."""
+    num_cpus: int = 1
+    """CPUs reserved for the reward actor."""
+    # here: how the functions are called, timeout ... num_workers (RewardCallSettings)
+    reward_functions: list[RewardFunctionConfig] = field(default_factory=list)
+    """easyvlm extra. Several reward functions: when non-empty, `overall` is the weighted sum of
+    their `overall`s and `reward_function` must be unset."""
+
+
+@dataclass(frozen=True)
+@fields_of(JudgeCallSettings, after="max_pixels", read_as="calls")
+class JudgeConfig:
+    enable: bool = False
+    """easyvlm extra. Score every response with a generative judge: a VLM reads the template
+    below and writes a verdict, which `parser` turns into a score. It reaches reward functions as
+    `judge_score`; `reward_functions/judge.py:compute_score` returns it as the reward."""
+    model_path: Optional[str] = None
+    """The judge model (a generation model, like the policy's): a local directory, a hub id or a
+    `builtin:` model."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the judge model's repository."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """The judge's generation engine (greedy)."""
+    template: Optional[str] = None
+    """Jinja file of the judge's prompt, with `question` (the row's prompt, `<image>` placeholders:
+    the sample's images), `response`, `ground_truth`, `num_images`; e.g.
+    format_prompts/judge.jinja."""
+    parser: Optional[str] = None
+    """`path/to/file.py:func` turning the verdict into a score: `func(verdict: str, sample: dict)
+    -> float`; raise for a verdict that does not parse (e.g. reward_functions/judge.py:parse_yes_no)."""
+    max_tokens: int = 16
+    """Verdict tokens."""
+    max_prompt_length: int = 1024
+    """Judge prompt tokens (images included); longer prompts fail as a judge error."""
+    # None, not data.min_pixels' default: the judge is another model, whose processor knows its own limits
+    min_pixels: Optional[int] = None
+    """Pixel limits of the judge's images; None = the judge processor's own."""
+    max_pixels: Optional[int] = None
+    """See `min_pixels`."""
+    # here: how the judge is called, num_workers ... cache_size (JudgeCallSettings)

@@ -3,14 +3,16 @@
 while idle and the update's epochs and gradient clipping (``update.py``), and how a role runs its
 model over a batch (``forward.py``). The config schema composes the first three as the sections
 ``worker.<role>.optim``, ``.fsdp`` and ``.offload``, and splices the update's and the forward keys
-into ``worker.actor`` and ``worker.critic``; the plan hands each worker its own. Torch-free: the
-config check imports this module.
+into ``worker.actor`` and ``worker.critic``; the plan hands each worker its own. The sections of the
+frozen roles are declared here too: ``worker.ref`` (`RefConfig`), ``worker.teacher``
+(`TeacherConfig`) and ``worker.reward_model`` (`RewardModelConfig`). Torch-free: the config check
+imports this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Optional
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 from easyvlm.utils.dtypes import DType
 
@@ -108,3 +110,79 @@ class UpdateSettings:
     """Clip the gradient norm to this."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    strategy: Literal["fsdp"] = "fsdp"
+    """Backend of the reference model (the actor's initial weights, for the KL penalty).
+    Micro-batch size, padding-free, Ulysses and torch.compile follow `worker.actor`."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP settings of the reference model."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """CPU offloading of the reference model while idle."""
+
+
+@dataclass(frozen=True)
+class TeacherModelConfig:
+    model_path: Optional[str] = None
+    """The teacher: `builtin:tiny-qwen2.5-vl-teacher`, a local directory in Hugging Face format or a
+    hub id. It scores the student's tokens as they are, so it must share the student's tokenizer
+    and image processor (checked before start); it may be larger, have more (padding) output rows,
+    or be the MoE / dense sibling of the student's generation (qwen3_vl_moe for qwen3_vl ...)."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values that override the teacher's `config.json` when it is loaded."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the teacher's repository."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel of the teacher (see `worker.actor.model.attn_implementation`)."""
+
+
+@dataclass(frozen=True)
+class TeacherConfig:
+    enable: bool = False
+    """easyvlm extra. On-policy distillation's teacher: a frozen model that gives its log-probs on the
+    student's samples in the same packed rows as the reference model (`algorithm.distill_coef`).
+    Micro-batch size, padding-free, shared prompts, Ulysses and torch.compile follow `worker.actor`."""
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    """The teacher model."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP settings of the teacher (`fsdp.torch_dtype`: its dtype; None = bf16 on GPUs, as the
+    reference model)."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """CPU offloading of the teacher while idle."""
+
+
+@dataclass(frozen=True)
+class RewardModelModelConfig:
+    model_path: Optional[str] = None
+    """The reward model: the `huggingface/` directory `python -m easyvlm.rm` exports, or any
+    scalar sequence-classification model (`...ForSequenceClassification`, `num_labels=1`) that
+    shares the policy's tokenizer; a local directory or a hub id."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Values that override the reward model's `config.json` when it is loaded."""
+    trust_remote_code: bool = False
+    """Allow running Python code shipped in the reward model's repository."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flash_attention_3"] = "sdpa"
+    """Attention kernel of the reward model (see `worker.actor.model.attn_implementation`)."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool = False
+    """easyvlm extra (verl's `reward_model.enable`). Score every response with a trained reward
+    model in its own worker group. Its score reaches reward functions as `reward_model_score`;
+    `reward_functions/reward_model.py:compute_score` returns it as the reward, alone or weighted
+    with rule rewards in `worker.reward.reward_functions`."""
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    """The reward model's files."""
+    micro_batch_size_per_device: int = 16
+    """Sequences per forward pass on one device (verl's `micro_batch_size_per_gpu`)."""
+    padding_free: bool = True
+    """Pack sequences without padding; the samples of one prompt share its pass."""
+    normalize: Literal["none", "running"] = "none"
+    """`running`: standardise each score by the running mean and standard deviation of all scores
+    seen so far in training (kept in checkpoints; validation uses them without updating them). The
+    reward's scale stops depending on the reward model's, at the price of a moving target early on."""
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP settings of the reward model."""

@@ -1,4 +1,4 @@
-"""easyvlm.config.compose: a component's settings spliced into a config section as flat keys (in
+"""easyvlm.utils.compose: a component's settings spliced into a config section as flat keys (in
 their place, with their types, defaults and documentation) and given back whole; slices filled by
 name from config sections."""
 
@@ -11,10 +11,10 @@ from typing import Optional
 import pytest
 
 from easyvlm.algorithms.settings import KLSettings, PolicyLossSettings, ValueLossSettings
-from easyvlm.config.compose import fields_of, settings_of
 from easyvlm.config.introspect import field_docs, field_types
 from easyvlm.config.loader import load_config
 from easyvlm.config.worker_schema import ActorConfig, CriticConfig
+from easyvlm.utils.compose import fields_of, settings_of
 from easyvlm.workers.settings import ForwardSettings, UpdateSettings
 
 

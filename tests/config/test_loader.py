@@ -10,7 +10,7 @@ import pytest
 from easyvlm.config.errors import ConfigError
 from easyvlm.config.loader import apply_overrides, load_config, load_config_collecting, to_yaml
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import RewardFunctionConfig
+from easyvlm.rewards.settings import RewardFunctionConfig
 
 # An EasyR1-style examples/config.yaml (EasyR1's keys and layout; values of a 7B math run).
 EASYR1_YAML = """\

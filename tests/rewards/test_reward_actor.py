@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 from rewards_testing import SHIPPED, inp, write_file
 
-from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
 from easyvlm.plan.build import reward_settings_of
+from easyvlm.rewards.settings import RewardConfig, RewardFunctionConfig
 from easyvlm.data.batch import Batch
 from easyvlm.rewards import RewardError
 from easyvlm.rewards.actor import build_reward_inputs, create_reward_actor
@@ -110,8 +110,9 @@ def test_reward_actor_scores_asynchronously_and_raises_in_the_driver(ray_session
 def test_bad_spec_fails_in_the_driver_before_any_actor(tmp_path):
     from easyvlm.config.errors import ConfigError
     from easyvlm.config.schema import PPOConfig
-    from easyvlm.config.worker_schema import RewardConfig, WorkerConfig
+    from easyvlm.config.worker_schema import WorkerConfig
     from easyvlm.plan.build import reward_settings
+    from easyvlm.rewards.settings import RewardConfig
 
     cfg = PPOConfig(worker=WorkerConfig(reward=RewardConfig(reward_function=str(tmp_path / "missing.py"))))
     with pytest.raises(ConfigError, match=r"missing\.py:main: plugin file not found") as info:

@@ -10,10 +10,9 @@ import pytest
 from PIL import Image
 from rewards_testing import SHIPPED, inp, manager, write_file
 
-from easyvlm.config.worker_schema import RewardConfig, RewardFunctionConfig
 from easyvlm.plan.build import reward_settings_of
 from easyvlm.rewards import RewardError, RewardFunctionSpec, RewardSettings
-from easyvlm.rewards.settings import RewardCallSettings
+from easyvlm.rewards.settings import RewardCallSettings, RewardConfig, RewardFunctionConfig
 
 pytestmark = pytest.mark.slow
 

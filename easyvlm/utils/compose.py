@@ -3,6 +3,8 @@ default and meaning in the component's frozen dataclass): as a whole section, or
 keys into a section (`fields_of`; a section may give some of them its own default and
 documentation) and handed back whole by a property. `settings_of` fills a settings object or plan
 slice from sections by field name. See docs/architecture.md, "Each setting is declared once".
+Imports nothing from easyvlm, so that a component's own section may splice its settings (the
+``worker.reward`` and ``worker.judge`` sections in ``easyvlm.rewards.settings``).
 """
 
 from __future__ import annotations
