@@ -132,16 +132,21 @@ def layout_task(kind: str, colour: str, boxes: list[tuple[int, str]], ok_left: b
     return dataclasses.replace(task, max_steps=steps)
 
 
-def make_task(seed: int, kind: str, max_steps: int | None = None, layout: str = "random") -> GuiTask:
+def make_task(seed: int, kind: str, max_steps: int | None = None, layout: str = "random",
+              colour: str | None = None) -> GuiTask:
     """The task of ``seed`` in ``layout`` (LAYOUTS): random, 3-5 boxes in random cells, 1-4 of them
-    (never all) of the task's colour; row, 4 boxes in the top row's cells, 1-3 of them of the colour."""
+    (never all) of the task's colour; row, 4 boxes in the top row's cells, 1-3 of them of the colour.
+    The task's colour is drawn from the seed unless ``colour`` names it."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown GUI layout {layout!r}; known: {list(LAYOUTS)}")
+    if colour is not None and colour not in COLOURS:
+        raise ValueError(f"GUI colours are {list(COLOURS)}, got {colour!r}")
     rng = random.Random(seed)
     count = COLUMNS if layout == "row" else rng.randint(3, 5)
     chosen = rng.randint(1, min(4, count - 1))
     names = sorted(COLOURS)
-    colour = rng.choice(names)
+    drawn = rng.choice(names)  # drawn even when given, so the rest of the screen is the seed's either way
+    colour = colour or drawn
     colours = [colour] * chosen + [rng.choice([c for c in names if c != colour]) for _ in range(count - chosen)]
     rng.shuffle(colours)
     cells = list(range(COLUMNS)) if layout == "row" else sorted(rng.sample(range(BOX_ROWS * COLUMNS), count))
@@ -149,8 +154,8 @@ def make_task(seed: int, kind: str, max_steps: int | None = None, layout: str = 
 
 
 def task_of_row(row: dict) -> GuiTask:
-    """The task a data row starts: its ``seed`` and ``task``, ``max_steps`` and ``layout`` if given
-    (random when absent: the rows of builtin:synthetic-gui have no layout column)."""
+    """The task a data row starts: its ``seed`` and ``task``; ``max_steps``, ``layout`` and ``colour`` if
+    given (random layout and the seed's colour when absent, as in the rows of builtin:synthetic-gui)."""
     missing = [key for key in ("seed", "task") if key not in row]
     if missing:
         raise ValueError(f"GuiEnvironment: the data row has no {' and no '.join(missing)} column; use the rows of "
@@ -159,7 +164,11 @@ def task_of_row(row: dict) -> GuiTask:
     if layout not in LAYOUTS:
         raise ValueError(f"GuiEnvironment: the data row's layout column is {layout!r}; known: {list(LAYOUTS)} "
                          "(builtin:synthetic-gui-row has row, rows without the column are random)")
-    return make_task(int(row["seed"]), str(row["task"]), row.get("max_steps"), layout)
+    colour = row.get("colour")
+    if colour is not None and colour not in COLOURS:
+        raise ValueError(f"GuiEnvironment: the data row's colour column is {colour!r}; known: {list(COLOURS)} "
+                         "(leave it out for the seed's colour)")
+    return make_task(int(row["seed"]), str(row["task"]), row.get("max_steps"), layout, colour)
 
 
 def solution(task: GuiTask) -> str:

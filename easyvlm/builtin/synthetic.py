@@ -77,6 +77,7 @@ EXTERNAL_DATASETS: dict[str, str] = {
     "synthetic-zoom": "easyvlm.builtin.synthetic_zoom",
     "synthetic-gui": "easyvlm.builtin.synthetic_gui",
     "synthetic-gui-row": "easyvlm.builtin.synthetic_gui",
+    "synthetic-gui-row-red": "easyvlm.builtin.synthetic_gui",
     "synthetic-preference": "easyvlm.builtin.synthetic_preference",
     "synthetic-colour-preference": "easyvlm.builtin.synthetic_preference",
 }

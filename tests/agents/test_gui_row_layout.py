@@ -95,3 +95,23 @@ def test_the_layout_column_of_a_row():
         env.reset({"seed": SEED, "task": "tick", "layout": "grid"})
     with pytest.raises(ValueError, match=r"unknown GUI layout 'grid'"):
         make_task(SEED, "tick", layout="grid")
+
+
+def test_the_colour_column_names_the_task_colour_and_keeps_the_seeds_screen():
+    """colour given: the same draws (randint 3, choice red, yellow for the fourth box, the same shuffle),
+    with the named colour where the seed's was: green green yellow green; the goal follows."""
+    task = make_task(SEED, "tick", layout="row", colour="green")
+    boxes = [w for w in task.widgets if w.kind == "checkbox"]
+    assert [w.colour for w in boxes] == ["green", "green", "yellow", "green"]
+    assert task.colour == "green" and task.goal == {1, 2, 4} and task.initial == frozenset()
+    assert [w.box for w in task.widgets] == [w.box for w in make_task(SEED, "tick", layout="row").widgets]
+    assert task.instruction == "Tick every green box and no other, then press OK."
+    env = GuiEnvironment()
+    env.reset({"seed": SEED, "task": "tick", "layout": "row", "colour": "green"})
+    assert env.task == task
+    env.reset({"seed": SEED, "task": "tick", "layout": "row", "colour": None})  # no colour: the seed's (red)
+    assert env.task == make_task(SEED, "tick", layout="row")
+    with pytest.raises(ValueError, match=r"colour column is 'purple'; known: \['red', 'green', 'blue', 'yellow'\]"):
+        env.reset({"seed": SEED, "task": "tick", "colour": "purple"})
+    with pytest.raises(ValueError, match=r"GUI colours are \['red', 'green', 'blue', 'yellow'\], got 'purple'"):
+        make_task(SEED, "tick", colour="purple")

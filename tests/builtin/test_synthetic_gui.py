@@ -98,3 +98,25 @@ def test_the_row_layouts_rows_carry_their_layout(tmp_path):
                      for r in rows_of(train)}
     val_screens = {_content_hash(Image.open(path.parent / r["images"][0]).convert("RGB"), r["problem"]) for r in rows}
     assert len(train_seeds) == 200 and len(val_screens) == 128 and not train_screens & val_screens
+
+
+def test_the_red_rows_carry_their_colour_and_fit_the_layouts_screens(tmp_path):
+    """builtin:synthetic-gui-row-red: the row layout, every task about red (1-3 red boxes); its own
+    sizes, 500 / 64 / 64, since the layout has only 696 screens (14 placements x 3 colours for each
+    other box x OK side x task: 2 * 2 * (4*27 + 6*9 + 4*3) = 696)."""
+    assert "synthetic-gui-row-red" in synthetic.builtin_dataset_names()
+    path = resolve_builtin_dataset("builtin:synthetic-gui-row-red@val", cache_dir=tmp_path)
+    assert path == tmp_path / "datasets" / "synthetic-gui-row-red-val-64-v1" / "val.jsonl"
+    rows = rows_of(path)
+    assert len(rows) == 64 and {r["task"] for r in rows} == {"tick", "untick"}
+    for row in rows:
+        assert list(row) == ["problem", "answer", "images", "task", "seed", "max_steps", "layout", "colour"]
+        assert row["layout"] == "row" and row["colour"] == "red" and " red box" in row["problem"]
+        task = make_task(row["seed"], row["task"], layout="row", colour="red")
+        reds = [w.label for w in task.widgets if w.colour == "red"]
+        assert 1 <= len(reds) <= 3 and row["answer"] == solution(task)
+        env = GuiEnvironment()
+        env.reset({**row, "ground_truth": row["answer"]})
+        assert Image.open(path.parent / row["images"][0]).convert("RGB").tobytes() == env.screenshot().tobytes()
+    train = synthetic.dataset_cache_dir("train", tmp_path, "synthetic-gui-row-red")
+    assert train.name == "synthetic-gui-row-red-train-500-v1"
