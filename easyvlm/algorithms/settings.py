@@ -1,12 +1,17 @@
 """The algorithms' settings, each declared once with its type, default and meaning; the config schema
-composes them into its sections as flat keys (``easyvlm.utils.compose``). Torch-free (the config check
-imports it). A new loss hyperparameter is a field here plus its use in ``policy_losses.py``."""
+composes them into its sections as flat keys (``easyvlm.utils.compose``). The ``algorithm`` section
+itself is declared here too (`AlgorithmConfig`: the KL penalty's, online filtering's and distillation's
+keys spliced in, the rollout correction a section of it). Torch-free (the config check imports it). A
+new loss hyperparameter is a field here plus its use in ``policy_losses.py``."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
+
+from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
+from easyvlm.utils.compose import fields_of
 
 LossAvgMode = Literal["token", "seq", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
 KLPenalty = Literal["kl", "abs", "mse", "low_var_kl", "full"]
@@ -230,3 +235,33 @@ class DistillSettings:
     distillation alone (the reward function still scores the samples, for the reward/* metrics and
     validation). Not with gae, remax, online filtering or the KL in the reward (they act through
     the reward's advantage)."""
+
+
+@dataclass(frozen=True)
+@fields_of(DistillSettings, after="multi_objective_aggregation", read_as="distill")
+@fields_of(OnlineFilterSettings, after="use_bias_correction_kl", read_as="online_filter")
+@fields_of(KLSettings, after="adv_estimator", read_as="kl")
+class AlgorithmConfig:
+    gamma: float = 1.0
+    """Discount factor (GAE, REINFORCE++; GiGPO's per step, 0.95 in verl-agent's examples)."""
+    lam: float = 1.0
+    """GAE's lambda."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator: gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline, remax, gpg, gigpo, or your own as `path/to/file.py:func`. gae
+    needs the critic (a value model); gigpo (step-level credit) needs `worker.rollout.environment`."""
+    # here: the KL penalty's keys, disable_kl ... use_bias_correction_kl (KLSettings)
+    # here: online filtering's keys, online_filtering ... filter_high (OnlineFilterSettings)
+    norm_adv_by_std_in_grpo: bool = True
+    """easyvlm extra. GRPO divides advantages by the group's standard deviation (GiGPO: its
+    episode and step groups'); False gives Dr. GRPO (arXiv:2503.20783), which does not."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """easyvlm extra (TRL's key), for several `worker.reward.reward_functions`. sum_then_normalize:
+    the estimator gets their weighted sum (`overall`). normalize_then_sum (GDPO, arXiv:2601.05242):
+    each function's score is normalised within its group, weighted and summed, and the sum
+    normalised over the batch; that replaces the score of an outcome estimator, and with grpo it is
+    the advantage itself (TRL's). Needs two or more reward functions; not with gae or remax; with
+    grpo, not with the KL in the reward or norm_adv_by_std_in_grpo=false (docs/algorithms.md)."""
+    # here: on-policy distillation's keys, distill_coef ... distill_only (DistillSettings)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """verl's rollout correction: truncated / masked importance sampling against the sampler."""

@@ -9,21 +9,13 @@
 from easyvlm.config.derived import Derived, RoleBatching, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.loader import apply_overrides, load_config, to_yaml
-from easyvlm.config.schema import AlgorithmConfig, DataConfig, PPOConfig, TrainerConfig
-from easyvlm.config.worker_schema import (
-    ActorConfig,
-    CriticConfig,
-    FSDPConfig,
-    OffloadConfig,
-    OptimConfig,
-    RefConfig,
-    RewardConfig,
-    RolloutConfig,
-    WorkerConfig,
-)
+from easyvlm.config.schema import DataConfig, PPOConfig, TrainerConfig
+from easyvlm.config.worker_schema import RewardConfig, RolloutConfig, WorkerConfig
 from easyvlm.config.validate import find_problems, validate
+from easyvlm.algorithms.settings import AlgorithmConfig
 from easyvlm.models.settings import LoraConfig, ModelConfig
 from easyvlm.rewards.settings import RewardFunctionConfig
+from easyvlm.workers.settings import ActorConfig, CriticConfig, FSDPConfig, OffloadConfig, OptimConfig, RefConfig
 
 __all__ = [
     "ActorConfig",

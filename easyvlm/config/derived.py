@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import ActorConfig, CriticConfig
+from easyvlm.workers.settings import ActorConfig, CriticConfig
 from easyvlm.config.validate import validate
 
 

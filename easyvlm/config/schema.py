@@ -6,10 +6,10 @@ why. Extras that EasyR1 lacks are marked "easyvlm extra".
 
 The ``worker`` section's classes are in ``easyvlm.config.worker_schema``, the names that string keys
 accept in ``easyvlm.config.names``. The settings a component reads are declared once, with the
-component, and composed here (``easyvlm.utils.compose``): whole sections (``data``:
-``easyvlm.data.settings``; ``algorithm.rollout_correction``:
-``easyvlm.algorithms.rollout_correction_settings``) or flat keys in their place (the KL penalty's
-and online filtering's keys of ``algorithm``: ``easyvlm.algorithms.settings``). The dataclasses are
+component, and composed (``easyvlm.utils.compose``): here the whole sections ``data``
+(``easyvlm.data.settings``) and ``algorithm`` (``easyvlm.algorithms.settings``, which splices in the
+KL penalty's, online filtering's and distillation's keys and holds ``algorithm.rollout_correction``
+from ``easyvlm.algorithms.rollout_correction_settings``); ``trainer`` is declared here. The dataclasses are
 frozen: a run's config is built once (``easyvlm.config.loader``), checked once
 (``easyvlm.config.validate``), and values that follow from it are computed once
 (``easyvlm.config.derived``). Nothing writes to it afterwards; use ``dataclasses.replace`` to make a
@@ -21,43 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from easyvlm.algorithms.settings import DistillSettings, KLSettings, OnlineFilterSettings
-from easyvlm.utils.compose import fields_of
+from easyvlm.algorithms.settings import AlgorithmConfig
 from easyvlm.config.names import LoggerName
-from easyvlm.algorithms.rollout_correction_settings import RolloutCorrectionConfig
 from easyvlm.data.settings import DataConfig
 from easyvlm.config.worker_schema import WorkerConfig
-
-# ---------------------------------------------------------------------------------------- algorithm
-@dataclass(frozen=True)
-@fields_of(DistillSettings, after="multi_objective_aggregation", read_as="distill")
-@fields_of(OnlineFilterSettings, after="use_bias_correction_kl", read_as="online_filter")
-@fields_of(KLSettings, after="adv_estimator", read_as="kl")
-class AlgorithmConfig:
-    gamma: float = 1.0
-    """Discount factor (GAE, REINFORCE++; GiGPO's per step, 0.95 in verl-agent's examples)."""
-    lam: float = 1.0
-    """GAE's lambda."""
-    adv_estimator: str = "grpo"
-    """Advantage estimator: gae, grpo, grpo_passk, rloo, reinforce_plus_plus,
-    reinforce_plus_plus_baseline, remax, gpg, gigpo, or your own as `path/to/file.py:func`. gae
-    needs the critic (a value model); gigpo (step-level credit) needs `worker.rollout.environment`."""
-    # here: the KL penalty's keys, disable_kl ... use_bias_correction_kl (KLSettings)
-    # here: online filtering's keys, online_filtering ... filter_high (OnlineFilterSettings)
-    norm_adv_by_std_in_grpo: bool = True
-    """easyvlm extra. GRPO divides advantages by the group's standard deviation (GiGPO: its
-    episode and step groups'); False gives Dr. GRPO (arXiv:2503.20783), which does not."""
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """easyvlm extra (TRL's key), for several `worker.reward.reward_functions`. sum_then_normalize:
-    the estimator gets their weighted sum (`overall`). normalize_then_sum (GDPO, arXiv:2601.05242):
-    each function's score is normalised within its group, weighted and summed, and the sum
-    normalised over the batch; that replaces the score of an outcome estimator, and with grpo it is
-    the advantage itself (TRL's). Needs two or more reward functions; not with gae or remax; with
-    grpo, not with the KL in the reward or norm_adv_by_std_in_grpo=false (docs/algorithms.md)."""
-    # here: on-policy distillation's keys, distill_coef ... distill_only (DistillSettings)
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """verl's rollout correction: truncated / masked importance sampling against the sampler."""
-
 
 # ------------------------------------------------------------------------------------------ trainer
 @dataclass(frozen=True)

@@ -1,13 +1,12 @@
 """The typed ``worker`` section of the configuration: the actor, critic and reference model (their
 model, optimizer, FSDP and offload settings), the rewards (functions, reward model, judge) and the
 rollout. Same conventions as ``easyvlm.config.schema``, which holds the other sections. Composed
-here from the components' declarations (``easyvlm.utils.compose``): the model sections
-(``easyvlm.models.settings``), the optimizer, FSDP and offload sections, the actor's and critic's
-update and forward keys and the reference model's, the teacher's and the reward model's sections
-(``easyvlm.workers.settings``), the actor's policy-loss and entropy keys and the critic's value-loss
-keys (``easyvlm.algorithms.settings``), the rollout's multi-turn keys (``easyvlm.agents.settings``)
-and its placement and asynchrony keys (``easyvlm.rollout.settings``), the reward and judge sections
-(``easyvlm.rewards.settings``)."""
+here from the components' declarations (``easyvlm.utils.compose``): the actor's, critic's,
+reference model's, teacher's and reward model's sections (``easyvlm.workers.settings``, which
+composes the actor's and critic's of the model, optimizer, FSDP and offload sections and the losses'
+keys), the rollout's multi-turn keys (``easyvlm.agents.settings``) and its placement and asynchrony
+keys (``easyvlm.rollout.settings``), the reward and judge sections (``easyvlm.rewards.settings``);
+only the rollout's own keys and ``worker`` itself are declared here."""
 
 from __future__ import annotations
 
@@ -15,114 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from easyvlm.agents.settings import AgentSettings
-from easyvlm.algorithms.settings import EntropySettings, PolicyLossSettings, ValueLossSettings
-from easyvlm.models.settings import ModelConfig
 from easyvlm.rewards.settings import JudgeConfig, RewardConfig
 from easyvlm.rollout.settings import PlacementSettings
 from easyvlm.utils.compose import fields_of
 from easyvlm.utils.dtypes import DType
-from easyvlm.workers.settings import (
-    FSDPConfig,
-    ForwardSettings,
-    OffloadConfig,
-    OptimConfig,
-    RefConfig,
-    RewardModelConfig,
-    TeacherConfig,
-    UpdateSettings,
-)
-
-@dataclass(frozen=True)
-@fields_of(EntropySettings, after="use_torch_compile", read_as="entropy")
-@fields_of(PolicyLossSettings, after="max_grad_norm", read_as="policy_loss")
-@fields_of(ForwardSettings, after="ppo_epochs", read_as="forward")
-@fields_of(UpdateSettings, after="micro_batch_size_per_device_for_experience", read_as="update")
-class ActorConfig:
-    strategy: Literal["fsdp"] = "fsdp"
-    """Training backend (FSDP2)."""
-    global_batch_size: int = 256
-    """PPO mini-batch in prompts (verl's `ppo_mini_batch_size`): one optimizer step per
-    `global_batch_size * worker.rollout.n` samples."""
-    micro_batch_size_per_device_for_update: int = 4
-    """Samples per forward/backward pass on one device during the update (gradients accumulate
-    over micro-batches)."""
-    micro_batch_size_per_device_for_experience: int = 16
-    """Samples per forward pass on one device when computing old log-probs (and ref log-probs)."""
-    # here: the update's keys max_grad_norm, ppo_epochs (UpdateSettings; spliced first, below the other
-    # splices), and between them the policy loss's keys, clip_ratio_low ... off_policy_mask_threshold
-    # (PolicyLossSettings, spliced after max_grad_norm)
-    # here: the forward keys, padding_free ... expert_parallel_size (ForwardSettings)
-    use_torch_compile: bool = True
-    """torch.compile the log-prob and entropy kernels."""
-    # here: the entropy bonus's keys, entropy_coeff ... entropy_coeff_max (EntropySettings)
-    max_token_len_per_device: Optional[int] = None
-    """easyvlm extra (verl's ppo_max_token_len_per_gpu). Dynamic batching's token budget per
-    micro-batch. None = EasyR1's: the micro-batch size times data.max_prompt_length +
-    data.max_response_length (a micro-batch of EasyR1's padded rows)."""
-    vision_cache_mb: Optional[int] = None
-    """easyvlm extra. With a frozen vision tower (`model.freeze_vision_tower=true`): each image goes
-    through the tower once, alone, and its embeddings are kept on the device, up to this many MiB
-    (least recently used out first), for every later pass that shows the model the image: the old
-    log-probs, the update's micro-batches and epochs, the next steps. Exact: the log-probs and
-    gradients are those of encoding each image by itself. The reference model shares the actor's
-    entries when its tower's weights are the actor's, else keeps its own (the teacher too); with
-    `offload.offload_params` the entries are dropped at each offload. None = 1024 with a frozen
-    tower, else off; 0 = off. A value with a tower that trains is refused."""
-    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
-    """easyvlm extra (verl's router_replay.mode values). MoE models (Qwen3.5-MoE, Qwen3-VL-MoE): which
-    experts the training passes route each token to. disabled: the router's own choice in every pass;
-    R2: the update replays the experts chosen in the old-log-prob pass; R3 (Rollout Routing Replay,
-    arXiv:2510.11370): the sampler (either engine) records its experts and the old, reference and
-    update passes replay them (single-turn rollouts, no partial_rollout; vLLM on the CPU needs
-    worker.rollout.enforce_eager=true). The routing weights stay the current router's probabilities of
-    the replayed experts, so the router still trains. Refused for dense models."""
-    router_aux_loss_coef: Optional[float] = None
-    """easyvlm extra. MoE models: weight of the router's load-balancing loss (the model's own, Switch
-    Transformer style) added to the actor loss; logged as actor/moe/aux_loss with
-    actor/moe/expert_load_{max,min}. None = the model config's router_aux_loss_coef (0.001 for the
-    Qwen3.5-MoE and Qwen3-VL-MoE families); 0 = off. A value is refused for dense models."""
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The policy model."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The actor's optimizer."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP settings of the actor."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    """CPU offloading of the actor while idle."""
-
-
-@dataclass(frozen=True)
-@fields_of(ForwardSettings, after="ppo_epochs", read_as="forward", defaults={"padding_free": False}, docs={
-    "padding_free": "Pack sequences without padding in the forward pass.",
-    "share_prompts": """easyvlm extra. With padding_free: one pass over each prompt shared by its samples (see
-    `worker.actor.share_prompts`).""",
-    "expert_parallel_size": "easyvlm extra. MoE value models: expert parallelism (see `worker.actor.expert_parallel_size`); 1 = off.",
-})
-@fields_of(ValueLossSettings, after="max_grad_norm", read_as="value_loss")
-@fields_of(UpdateSettings, after="micro_batch_size_per_device_for_experience", read_as="update")
-class CriticConfig:
-    strategy: Literal["fsdp"] = "fsdp"
-    """Training backend (FSDP2)."""
-    global_batch_size: int = 256
-    """Value-update mini-batch in prompts (times `worker.rollout.n` in samples)."""
-    micro_batch_size_per_device_for_update: int = 4
-    """Samples per forward/backward pass on one device during the value update."""
-    micro_batch_size_per_device_for_experience: int = 16
-    """Samples per forward pass on one device when computing values."""
-    # here: the update's keys max_grad_norm, ppo_epochs (UpdateSettings; spliced first), and between
-    # them the value loss's keys cliprange_value, loss_avg_mode (ValueLossSettings)
-    # here: the forward keys, padding_free ... expert_parallel_size (ForwardSettings, the critic's own
-    # padding_free default and docs above)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    """The value model (a token-classification head on the policy's architecture); used by
-    gae only."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The critic's optimizer."""
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    """FSDP settings of the critic."""
-    offload: OffloadConfig = field(default_factory=OffloadConfig)
-    """CPU offloading of the critic while idle."""
-
+from easyvlm.workers.settings import ActorConfig, CriticConfig, RefConfig, RewardModelConfig, TeacherConfig
 
 @dataclass(frozen=True)
 @fields_of(PlacementSettings, after="val_override_config", read_as="placement_settings")

@@ -18,7 +18,7 @@ from easyvlm.config.derived import Derived, derive
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.utils.dtypes import canonical_dtype
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import ModelConfig
+from easyvlm.models.settings import ModelConfig
 from easyvlm.data.settings import DataConfig
 from easyvlm.config.validate import notices
 from easyvlm.agents.specs import AgentSpec

@@ -11,12 +11,12 @@ from easyvlm.algorithms.rollout_correction_settings import parse_is_threshold
 from easyvlm.config.derived import Derived, RoleBatching
 from easyvlm.config.errors import ConfigError, Problem
 from easyvlm.config.schema import PPOConfig
-from easyvlm.config.worker_schema import ActorConfig, CriticConfig, ModelConfig
+from easyvlm.models.settings import ModelConfig
 from easyvlm.models.moe_routing import is_moe_config
 from easyvlm.models.specs import ModelBundle, ModelSpec, TokenIds
 from easyvlm.rewards.specs import JudgeSpec
 from easyvlm.rollout.specs import AdapterSpec, EngineSpec, RolloutSpec, Sampling
-from easyvlm.workers.settings import ForwardSettings
+from easyvlm.workers.settings import ActorConfig, CriticConfig, ForwardSettings
 from easyvlm.workers.specs import (
     ActorSpec, CriticSpec, ForwardSpec, MicroBatching, PolicyLossSpec, RefSpec, RewardModelSpec, UpdateSpec,
 )

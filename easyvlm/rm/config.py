@@ -8,7 +8,8 @@ from typing import Literal, Optional
 
 from easyvlm.config.checks import Checks, check_fsdp, check_model, check_optim
 from easyvlm.config.errors import Problem
-from easyvlm.config.worker_schema import FSDPConfig, ModelConfig, OptimConfig
+from easyvlm.models.settings import ModelConfig
+from easyvlm.workers.settings import FSDPConfig, OptimConfig
 
 
 @dataclass(frozen=True)

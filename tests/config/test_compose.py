@@ -13,9 +13,8 @@ import pytest
 from easyvlm.algorithms.settings import KLSettings, PolicyLossSettings, ValueLossSettings
 from easyvlm.config.introspect import field_docs, field_types
 from easyvlm.config.loader import load_config
-from easyvlm.config.worker_schema import ActorConfig, CriticConfig
 from easyvlm.utils.compose import fields_of, settings_of
-from easyvlm.workers.settings import ForwardSettings, UpdateSettings
+from easyvlm.workers.settings import ActorConfig, CriticConfig, ForwardSettings, UpdateSettings
 
 
 @dataclass(frozen=True)

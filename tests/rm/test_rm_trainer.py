@@ -62,7 +62,7 @@ def test_a_bad_cpu_linear_switch_exits_2_before_the_config(monkeypatch, capsys):
 
 def test_pairs_are_consecutive_rows_with_their_margin(tiny_model_path):
     from easyvlm.plan.models import load_bundle
-    from easyvlm.config.worker_schema import ModelConfig
+    from easyvlm.models.settings import ModelConfig
     from easyvlm.rm.config import PreferenceDataConfig
     from easyvlm.rm.data import PreferenceDataset, collate_pairs
 
@@ -112,7 +112,7 @@ def test_print_config_shows_the_resolved_config(capsys):
 
 def test_margins_are_read_and_checked(tiny_model_path, tmp_path):
     from easyvlm.builtin.synthetic import resolve_builtin_dataset
-    from easyvlm.config.worker_schema import ModelConfig
+    from easyvlm.models.settings import ModelConfig
     from easyvlm.data.loading import DataError
     from easyvlm.plan.models import load_bundle
     from easyvlm.rm.config import PreferenceDataConfig

@@ -85,7 +85,7 @@ def _train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps
 def optimizer_main(rank: int, world_size: int, port: int, ckpt_dir: str, out_file: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from easyvlm.config.worker_schema import OptimConfig
+    from easyvlm.workers.settings import OptimConfig
     from easyvlm.workers.optim import build_optimizer, build_scheduler
     from easyvlm.workers.training import load_sharded_checkpoint, save_sharded_checkpoint
 
@@ -213,7 +213,7 @@ def rank0_init_cases(rank: int, model_paths: dict[str, str]) -> dict:
     """Per case: a model that every rank loads vs one that only rank 0 loads (rank 1 gets a model
     directory that does not exist, so any file read fails), both sharded: every local parameter
     shard, every buffer and every requires_grad flag must be equal, and so must the outputs."""
-    from easyvlm.config.worker_schema import FSDPConfig
+    from easyvlm.workers.settings import FSDPConfig
     from easyvlm.models.specs import LoraSpec
 
     lora = LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "gate_proj"), exclude_modules=None)
@@ -260,7 +260,7 @@ def hsdp_cases(rank: int, model_path: str) -> dict:
     updated weights of both (gathered, rank 0)."""
     import torch.nn.functional as F
 
-    from easyvlm.config.worker_schema import FSDPConfig, OptimConfig
+    from easyvlm.workers.settings import FSDPConfig, OptimConfig
     from easyvlm.workers.fsdp import gather_full_state_dict
     from easyvlm.workers.optim import build_optimizer
 

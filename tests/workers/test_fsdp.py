@@ -8,7 +8,7 @@ import pytest
 import torch
 from fsdp_testing import RANK0_CASES, build_tied_text_model, fsdp_main, spawn
 
-from easyvlm.config.worker_schema import FSDPConfig
+from easyvlm.workers.settings import FSDPConfig
 from easyvlm.workers.fsdp import FSDPPlan, cast_buffers, fsdp_plan, fully_shard_kwargs
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from easyvlm.config.worker_schema import OptimConfig
+from easyvlm.workers.settings import OptimConfig
 from easyvlm.workers.host_offload import HostMirror, model_tensors, optimizer_tensors
 from easyvlm.workers.optim import build_optimizer
 

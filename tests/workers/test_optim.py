@@ -11,7 +11,7 @@ import pytest
 import torch
 from fsdp_testing import optimizer_main, spawn
 
-from easyvlm.config.worker_schema import OptimConfig
+from easyvlm.workers.settings import OptimConfig
 from easyvlm.workers.optim import (
     OPTIMIZERS,
     AdamWBF16,

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easyvlm.config.worker_schema import OffloadConfig, OptimConfig
-from easyvlm.workers.settings import UpdateSettings
+from easyvlm.workers.settings import OffloadConfig, OptimConfig, UpdateSettings
 from easyvlm.workers.specs import MicroBatching, UpdateSpec
 from easyvlm.workers import update as update_module
 from easyvlm.workers.update import TrainedModel
