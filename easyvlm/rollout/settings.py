@@ -1,16 +1,79 @@
-"""Where the rollout engines run and how far ahead of the trainer they may generate, declared once:
-the keys ``worker.rollout.placement`` ... ``weight_transfer``, which the config schema composes in
-their place. Its own range rules are `PlacementSettings.problems`; the config check adds the rules
-that involve other sections. Torch-free: the config check imports this module."""
+"""The rollout's settings, declared once: the generation engine and its sampling, the keys
+``worker.rollout.name`` ... ``disable_tqdm`` and ``val_override_config`` (`GenerationSettings`), and
+where the engines run and how far ahead of the trainer they may generate, ``placement`` ...
+``weight_transfer`` (`PlacementSettings`), which the config schema composes in their place. The
+placement's own range rules are `PlacementSettings.problems`; the config check adds the rules that
+involve other sections. Torch-free: the config check imports this module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 from easyvlm.rollout.staleness import StalenessBound
+from easyvlm.utils.dtypes import DType
 
 PREFIX = "worker.rollout"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """The generation engine and its sampling; the plan reads them by name into the engine's and the
+    sampling's slices (`EngineSpec`, `Sampling`). The multi-turn keys (``easyvlm.agents.settings``)
+    sit between ``disable_tqdm`` and ``val_override_config`` in the config section."""
+
+    name: Literal["vllm", "hf"] = "vllm"
+    """Generation engine: vllm, or hf (transformers' generate: slow, for comparison and
+    debugging)."""
+    n: int = 1
+    """Samples per prompt, G (GRPO's group size)."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold; 1 = off."""
+    top_k: int = -1
+    """Top-k sampling; -1 = off."""
+    seed: int = 1
+    """Seed of the generation engine."""
+    per_request_seed: bool = False
+    """easyvlm extra. Seed each sample from (seed, step, prompt, sample), so a resumed run samples
+    exactly what an uninterrupted run did. Costs ~6% of vLLM decode throughput on the CPU, likely
+    more on GPUs; vLLM on the CPU needs enable_chunked_prefill=false with it."""
+    limit_images: int = 0
+    """Most images per prompt the engine accepts; 0 = no limit set."""
+    dtype: DType = "bf16"
+    """Dtype of the generation engine's weights."""
+    gpu_memory_utilization: float = 0.6
+    """Fraction of GPU memory vLLM may use (weights plus KV cache)."""
+    ignore_eos: bool = False
+    """Keep generating after EOS up to `data.max_response_length`."""
+    enforce_eager: bool = False
+    """vLLM without torch.compile and CUDA graphs (slower, less memory, quicker start). On the CPU, false compiles
+    the model too (Inductor; no CUDA graphs there): ~45 s more at start, generation 1.0-1.2x (docs/benchmarks.md)."""
+    enable_chunked_prefill: bool = False
+    """vLLM chunked prefill."""
+    tensor_parallel_size: int = 1
+    """Devices per vLLM engine. Default differs from EasyR1 (2): 1 runs everywhere, including the
+    CPU and single-GPU machines."""
+    max_model_len: Optional[int] = None
+    """vLLM's context length; None = max_prompt_length + max_response_length."""
+    max_num_batched_tokens: int = 8192
+    """Most tokens vLLM processes in one scheduler step."""
+    max_num_seqs: Optional[int] = None
+    """easyvlm extra. Most sequences the engine runs at once (vLLM; transformers' generate: per
+    call). None = the most one generation call gives an engine: ceil(prompts per round / devices) x
+    `n`, or a validation batch's if larger (the whole validation set counts as 256), at most 256. On
+    the CPU the KV cache holds this many sequences of `data.max_prompt_length +
+    data.max_response_length` tokens and no more."""
+    disable_log_stats: bool = True
+    """Silence vLLM's periodic statistics."""
+    disable_tqdm: bool = False
+    """Hide the generation progress bar."""
+    val_override_config: dict[str, Any] = field(default_factory=dict)
+    """Sampling settings that differ for validation, e.g. `{n: 1, temperature: 0.6}`: any field of
+    vLLM's `SamplingParams` (n, temperature, top_p, top_k, min_p, repetition_penalty, seed, stop, ...)
+    except those easyvlm sets itself (the check lists them). With `name: hf`, only n, temperature,
+    top_p, top_k, max_tokens, ignore_eos."""
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ DOCS = "__field_docs__"
 
 
 def fields_of(
-    settings: type, *, after: str, read_as: str, defaults: Mapping[str, Any] | None = None,
+    settings: type, *, after: str | None, read_as: str, defaults: Mapping[str, Any] | None = None,
     docs: Mapping[str, str] | None = None,
 ) -> Callable[[type], type]:
     """Class decorator, under ``@dataclass``: ``settings``' fields, in their order and with their
-    types and defaults, become fields of the decorated section right after its field ``after``; the
-    section's property ``read_as`` gives them back as a ``settings`` object (`settings_of`).
+    types and defaults, become fields of the decorated section right after its field ``after`` (None:
+    at its start, so that a section may be made of splices alone); the section's property
+    ``read_as`` gives them back as a ``settings`` object (`settings_of`).
     ``defaults`` and ``docs`` replace, for this section only, the default or the documentation of
     some of the fields: one settings class serves two sections that differ there (the actor's and
     the critic's forward keys)."""
@@ -42,18 +43,24 @@ def fields_of(
 
     def splice(section: type) -> type:
         own = dict(section.__dict__.get("__annotations__", {}))
-        if after not in own:
+        if after is not None and after not in own:
             raise TypeError(f"{section.__name__} has no field {after!r} to put {settings.__name__}'s fields after")
         clash = [name for name in names + [read_as] if name in own]
         if clash:
             raise TypeError(f"{section.__name__} declares {clash} itself, which {settings.__name__} splices in")
         annotations: dict[str, Any] = {}
+
+        def put_settings() -> None:
+            for f in dataclasses.fields(settings):
+                annotations[f.name] = hints[f.name]
+                setattr(section, f.name, defaults[f.name] if f.name in defaults else _default_of(f))
+
+        if after is None:
+            put_settings()
         for name, annotation in own.items():
             annotations[name] = annotation
             if name == after:
-                for f in dataclasses.fields(settings):
-                    annotations[f.name] = hints[f.name]
-                    setattr(section, f.name, defaults[f.name] if f.name in defaults else _default_of(f))
+                put_settings()
         section.__annotations__ = annotations
 
         def read(self: Any) -> Any:

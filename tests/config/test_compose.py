@@ -76,6 +76,31 @@ def test_a_later_splice_after_a_spliced_field_lands_inside_the_earlier_run():
 
 
 @dataclass(frozen=True)
+@fields_of(Inner, after="gain", read_as="inner")
+@fields_of(Knobs, after=None, read_as="knobs")
+class SplicedSection:
+    """No field of its own: Knobs at the start (no anchor), Inner after Knobs' gain."""
+
+
+@dataclass(frozen=True)
+@fields_of(Inner, after=None, read_as="inner")
+class LeadSection:
+    first: int = 1
+    """The first key."""
+
+
+def test_a_splice_with_no_anchor_starts_the_section():
+    # how the rollout's section is made of splices alone (worker.rollout.name first)
+    assert [f.name for f in dataclasses.fields(SplicedSection)] == ["gain", "mid", "label"]
+    section = SplicedSection(gain=3.0, mid=4)
+    assert (section.knobs, section.inner) == (Knobs(gain=3.0, label=None), Inner(mid=4))
+    assert field_docs(SplicedSection) == {"gain": "How much.", "mid": "Between.", "label": "Which."}
+    # before the section's own fields, not after them
+    assert [f.name for f in dataclasses.fields(LeadSection)] == ["mid", "first"]
+    assert LeadSection() == LeadSection(mid=0, first=1)
+
+
+@dataclass(frozen=True)
 @fields_of(Knobs, after="first", read_as="knobs", defaults={"gain": 0.5}, docs={"label": """Which one,
     this section's."""})
 class OwnSection:
