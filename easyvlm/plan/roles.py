@@ -275,9 +275,9 @@ def rollout_spec(cfg: PPOConfig, derived: Derived, bundle: ModelBundle, device: 
     r, data = cfg.worker.rollout, cfg.data
     # n, temperature, top_p, top_k, ignore_eos: the rollout's keys
     sampling = settings_of(Sampling, r, max_tokens=data.max_response_length)
-    # the engine's own keys (name, seed, gpu_memory_utilization, enforce_eager, ...) by name; the rest derived
-    engine = settings_of(
-        EngineSpec, r,
+    # the engine's own keys (name, seed, gpu_memory_utilization, enforce_eager, ...) whole; the rest derived
+    engine = EngineSpec(
+        generation=r.generation,
         model_dir=bundle.policy.model_dir,
         hf_config=bundle.policy.hf_config,
         hf_config_overrides=dict(cfg.worker.actor.model.override_config),
@@ -394,13 +394,14 @@ def judge_spec(cfg: PPOConfig, policy_rollout: RolloutSpec) -> Optional[JudgeSpe
     except PluginError as err:
         raise ConfigError([Problem("worker.judge.parser", str(err))]) from err
     sampling = Sampling(n=1, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=j.max_tokens, ignore_eos=False)
+    generation = dataclasses.replace(policy_rollout.engine.generation, name=j.engine, tensor_parallel_size=1)
     engine = dataclasses.replace(
-        policy_rollout.engine, name=j.engine, model_dir=bundle.policy.model_dir, hf_config=bundle.policy.hf_config,
+        policy_rollout.engine, generation=generation, model_dir=bundle.policy.model_dir, hf_config=bundle.policy.hf_config,
         hf_config_overrides={}, tokenizer_dir=bundle.tokenizer_dir, trust_remote_code=j.trust_remote_code,
         model_path=bundle.policy.model_path, tokenizer_path=bundle.tokenizer_path,
         max_model_len=j.max_prompt_length + j.max_tokens, sequence_tokens=j.max_prompt_length + j.max_tokens,
         mm_processor_kwargs=vllm_mm_processor_kwargs(bundle.processor),
-        tensor_parallel_size=1, lora=None,  # the judge's own model, no adapters
+        lora=None,  # the judge's own model, no adapters
     )
     rollout = RolloutSpec(engine=engine, sampling=sampling, val_sampling=sampling, response_length=j.max_tokens,
                           tokens=bundle.tokens, per_request_seed=False)

@@ -106,7 +106,7 @@ class HFRolloutEngine(RolloutEngine):
         self._weights = unique_weights(self.model)  # what sleep() parks in host memory
         self._host_copies: list[Tensor] = []
         self._parked = False  # the weights wait in host memory (sleep)
-        generator = torch.Generator().manual_seed(engine.seed)
+        generator = torch.Generator().manual_seed(engine.generation.seed)
         self._rng_state = generator.get_state()
 
     def _generation_config(self, sampling: Sampling) -> GenerationConfig:

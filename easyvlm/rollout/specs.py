@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from easyvlm.models.specs import LoraSpec, TokenIds
+from easyvlm.rollout.settings import GenerationSettings
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,13 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Settings of the generation engine itself (what validation shares with training)."""
+    """The generation engine (what validation shares with training): its keys as the config gives
+    them (``generation``), and what the plan resolves from them and from the policy."""
 
-    name: str  # vllm or hf
+    generation: GenerationSettings
+    """``worker.rollout``'s engine and sampling keys, whole. The engine reads its own from here (name,
+    seed, gpu_memory_utilization, enforce_eager, ...); ``dtype``, ``max_model_len`` and
+    ``max_num_seqs`` it reads resolved, below."""
     model_dir: str
     hf_config: Any
     hf_config_overrides: dict  # worker.actor.model.override_config: vLLM loads the model dir itself, then these
@@ -33,18 +38,9 @@ class EngineSpec:
     multimodal processor comes from here, as the data pipeline's does."""
     trust_remote_code: bool  # for the engine's own loading of model and processor
     device: str  # cpu or cuda
-    dtype: str  # canonical: bf16, fp16 or fp32 (the CPU runs cpu_dtype whatever it says)
-    seed: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_num_seqs: int  # worker.rollout.max_num_seqs, or the work's (Derived.rollout_max_num_seqs)
-    gpu_memory_utilization: float
-    enforce_eager: bool
-    enable_chunked_prefill: bool
-    tensor_parallel_size: int
-    limit_images: int
-    disable_log_stats: bool
-    disable_tqdm: bool
+    dtype: str  # generation.dtype canonical: bf16, fp16 or fp32 (the CPU runs cpu_dtype whatever it says)
+    max_model_len: int  # generation.max_model_len, or the work's (Derived.rollout_max_model_len)
+    max_num_seqs: int  # generation.max_num_seqs, or the work's (Derived.rollout_max_num_seqs)
     mm_processor_kwargs: dict = field(default_factory=dict)  # vLLM's image sizes = the data pipeline's
     sequence_tokens: int = 0
     """The longest a request gets, prompt and response (data.max_prompt_length +

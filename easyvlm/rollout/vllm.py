@@ -55,9 +55,11 @@ from easyvlm.utils.memory import release_pages, trim_heap  # noqa: E402
 # the fields of a Sampling that vLLM's SamplingParams takes under the same names (n and the extra
 # overrides are passed apart)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "ignore_eos")
-# the fields of an EngineSpec that vLLM's LLM takes under the same names
-ENGINE_FIELDS = ("seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",
-                 "enforce_eager", "tensor_parallel_size", "disable_log_stats", "trust_remote_code")
+# the keys of worker.rollout (EngineSpec.generation) and the resolved fields of an EngineSpec that
+# vLLM's LLM takes under the same names
+GENERATION_FIELDS = ("seed", "max_num_batched_tokens", "enable_chunked_prefill", "enforce_eager",
+                     "tensor_parallel_size", "disable_log_stats")
+ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "trust_remote_code")
 
 BLOCKED_IDS_ARG = "easyvlm_blocked_token_ids"
 # The smallest CPU KV cache that sleep() hands back to the OS between generations: every page taken
@@ -117,12 +119,13 @@ class BlockedTokensLogitsProcessor(LogitsProcessor):
 def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     """Keyword arguments of ``vllm.LLM`` for ``engine``. On the CPU under R3 the prefix cache is off:
     the CPU's routing capture never sees cached tokens."""
-    on_cpu = engine.device == "cpu"
-    assert not on_cpu or engine.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
+    on_cpu, generation = engine.device == "cpu", engine.generation
+    assert not on_cpu or generation.tensor_parallel_size == 1, "the config check refuses tensor parallelism on the CPU"
     kwargs: dict[str, Any] = dict(
         model=local_model_dir(engine.model_dir, engine.model_path),  # this node's copy (builtin and hub models are resolved per node)
         tokenizer=local_model_dir(engine.tokenizer_dir, engine.tokenizer_path),
         dtype=DTYPES[engine.cpu_dtype] if on_cpu else DTYPES[engine.dtype],
+        **{name: getattr(generation, name) for name in GENERATION_FIELDS},
         **{name: getattr(engine, name) for name in ENGINE_FIELDS},
         logprobs_mode="processed_logprobs",
         logits_processors=[BlockedTokensLogitsProcessor],
@@ -132,18 +135,18 @@ def vllm_engine_kwargs(engine: EngineSpec) -> dict:
     )
     if engine.hf_config_overrides:
         kwargs["hf_overrides"] = dict(engine.hf_config_overrides)
-    if engine.limit_images:
-        kwargs["limit_mm_per_prompt"] = {"image": engine.limit_images}
+    if generation.limit_images:
+        kwargs["limit_mm_per_prompt"] = {"image": generation.limit_images}
     if engine.mm_processor_kwargs:
         kwargs["mm_processor_kwargs"] = dict(engine.mm_processor_kwargs)
     if on_cpu:
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
-            engine.hf_config, engine.max_model_len, engine.max_num_seqs, engine.gpu_memory_utilization,
+            engine.hf_config, engine.max_model_len, engine.max_num_seqs, generation.gpu_memory_utilization,
             psutil.virtual_memory().available, sequence_tokens=engine.sequence_tokens,
         )
         kwargs["block_size"] = KV_BLOCK_TOKENS  # the block size the cache above is counted in
     else:
-        kwargs["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = generation.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True
     if engine.lora is not None:  # adapters served unmerged: one at a time, the policy's
         kwargs.update(enable_lora=True, max_lora_rank=engine.lora.max_rank, max_loras=1)
@@ -166,8 +169,8 @@ class VLLMRolloutEngine(RolloutEngine):
         engine = spec.engine
         self.device = engine.device
         self.hf_config = engine.hf_config  # the family's checkpoint layout, for the weight sync
-        self.chunked_prefill = engine.enable_chunked_prefill
-        self.use_tqdm = not engine.disable_tqdm
+        self.chunked_prefill = engine.generation.enable_chunked_prefill
+        self.use_tqdm = not engine.generation.disable_tqdm
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(_THREAD_WARNINGS)
         if (warning := outside_supported(vllm.__version__)) is not None:
             logging.getLogger(__name__).warning(warning)
@@ -183,7 +186,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.moe_layers = moe_layer_ids(engine.hf_config) if engine.record_routing else []
         self.step_capture = engine.record_routing and self.device == "cpu"
         if self.step_capture:
-            if not engine.enforce_eager:
+            if not engine.generation.enforce_eager:
                 raise ValueError("router replay R3 with vLLM on the CPU needs worker.rollout.enforce_eager=true: the "
                                  "compiled model never calls the routing capture (easyvlm/rollout/vllm_routing.py)")
             bound = self.llm.collective_rpc(install_step_capture)[0]

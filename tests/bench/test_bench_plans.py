@@ -18,7 +18,7 @@ def test_bench_plan_is_the_demo_config_from_any_directory(tiny_model_path, tmp_p
     assert plan.data.format_prompt == str(REPO / "format_prompts" / "synthetic.jinja")
     assert plan.actor.update.total_steps == 7  # the trainer sets it from the data; benchmarks choose it
     # the demo's settings reach the specs: vLLM, 8 samples at temperature 1, KL loss with a reference
-    assert (plan.rollout.engine.name, plan.rollout.sampling.n, plan.rollout.sampling.temperature) == ("vllm", 8, 1.0)
+    assert (plan.rollout.engine.generation.name, plan.rollout.sampling.n, plan.rollout.sampling.temperature) == ("vllm", 8, 1.0)
     assert plan.rollout.sampling.max_tokens == 16 and plan.ref is not None and plan.actor.kl_loss.kl_coef == 0.1
 
 

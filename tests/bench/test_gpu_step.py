@@ -182,7 +182,7 @@ def test_the_gpu_runs_plan_has_the_recipes_settings(shape, tiny_model_path, tmp_
     assert actor.forward.settings.padding_free and actor.forward.settings.share_prompts
     assert actor.model.attn_implementation == "sdpa"  # no flash-attn here
     assert actor.update.optimizer_steps_per_step == 1 and plan.ref is not None  # on-policy; KL loss
-    assert (plan.rollout.engine.name, plan.rollout.sampling.n, plan.rollout.sampling.max_tokens) == ("hf", 8, 256)
+    assert (plan.rollout.engine.generation.name, plan.rollout.sampling.n, plan.rollout.sampling.max_tokens) == ("hf", 8, 256)
     # the shape's recipe: 3B trains without offloading, micro-batches of 4 / 16; 7B with EasyR1's 7B
     # memory settings (parameters and optimizer offloaded while generating, micro-batches of 1 / 2)
     micro = (actor.update.micro.micro_batch_size, actor.forward.experience.micro_batch_size)

@@ -173,7 +173,7 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
     ]),
     "critic sections": (GAE, "cpu", sections("critic", "critic")),
     "rollout": ((), "cpu", [
-        ("worker.rollout.name", "vllm", "rollout.engine.name", "vllm"),
+        ("worker.rollout.name", "vllm", "rollout.engine.generation.name", "vllm"),
         ("worker.rollout.n", "3", "rollout.sampling.n", 3),
         ("worker.rollout.temperature", "0.7", "rollout.sampling.temperature", 0.7),
         ("worker.rollout.top_p", "0.9", "rollout.sampling.top_p", 0.9),
@@ -181,21 +181,21 @@ PLUMBING: dict[str, tuple[tuple[str, ...], str, list[tuple[str, str, str, object
         ("worker.rollout.ignore_eos", "true", "rollout.sampling.ignore_eos", True),
         ("data.max_response_length", "48", "rollout.sampling.max_tokens", 48),
         ("data.max_response_length", "48", "rollout.response_length", 48),
-        ("worker.rollout.seed", "5", "rollout.engine.seed", 5),
+        ("worker.rollout.seed", "5", "rollout.engine.generation.seed", 5),
         ("worker.rollout.per_request_seed", "true", "rollout.per_request_seed", True),
-        ("worker.rollout.limit_images", "2", "rollout.engine.limit_images", 2),
+        ("worker.rollout.limit_images", "2", "rollout.engine.generation.limit_images", 2),
         ("worker.rollout.dtype", "float16", "rollout.engine.dtype", "fp16"),  # one spelling for the engines
-        ("worker.rollout.gpu_memory_utilization", "0.5", "rollout.engine.gpu_memory_utilization", 0.5),
-        ("worker.rollout.enforce_eager", "true", "rollout.engine.enforce_eager", True),
-        ("worker.rollout.enable_chunked_prefill", "true", "rollout.engine.enable_chunked_prefill", True),
+        ("worker.rollout.gpu_memory_utilization", "0.5", "rollout.engine.generation.gpu_memory_utilization", 0.5),
+        ("worker.rollout.enforce_eager", "true", "rollout.engine.generation.enforce_eager", True),
+        ("worker.rollout.enable_chunked_prefill", "true", "rollout.engine.generation.enable_chunked_prefill", True),
         ("worker.rollout.max_model_len", "400", "rollout.engine.max_model_len", 400),
-        ("worker.rollout.max_num_batched_tokens", "4096", "rollout.engine.max_num_batched_tokens", 4096),
+        ("worker.rollout.max_num_batched_tokens", "4096", "rollout.engine.generation.max_num_batched_tokens", 4096),
         ("worker.rollout.max_num_seqs", "64", "rollout.engine.max_num_seqs", 64),
-        ("worker.rollout.disable_log_stats", "false", "rollout.engine.disable_log_stats", False),
-        ("worker.rollout.disable_tqdm", "true", "rollout.engine.disable_tqdm", True),
+        ("worker.rollout.disable_log_stats", "false", "rollout.engine.generation.disable_log_stats", False),
+        ("worker.rollout.disable_tqdm", "true", "rollout.engine.generation.disable_tqdm", True),
     ]),
     "rollout on gpus": (("trainer.n_gpus_per_node=2", "worker.rollout.name=vllm"), "cuda", [
-        ("worker.rollout.tensor_parallel_size", "2", "rollout.engine.tensor_parallel_size", 2),  # refused on the CPU
+        ("worker.rollout.tensor_parallel_size", "2", "rollout.engine.generation.tensor_parallel_size", 2),  # refused on the CPU
     ]),
     "reward": ((), "cpu", [
         ("worker.reward.reward_type", "sequential", "reward.functions[0].reward_type", "sequential"),

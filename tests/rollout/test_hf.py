@@ -150,7 +150,7 @@ def test_rollout_seed_seeds_the_engine_stream(spec, prompts, tiny_model_path):
     # worker.rollout.seed: the engine's own stream (the module's spec has seed 3); the same seed repeats
     # the same samples (test_seeded_stream_is_private_and_reproducible), another one changes them
     other = rollout_plan(tiny_model_path, T, "worker.rollout.name=hf", "worker.rollout.max_num_seqs=8", "worker.rollout.seed=4").rollout
-    assert other.engine.seed == 4 and spec.engine.seed == 3
+    assert other.engine.generation.seed == 4 and spec.engine.generation.seed == 3
     outputs = []
     for s in (spec, other):
         engine = build_rollout(s)

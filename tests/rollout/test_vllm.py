@@ -61,7 +61,8 @@ def model(tiny_model_path):
 @pytest.mark.slow
 def test_greedy_matches_the_transformers_engine(engine, plan, model, prompts):
     spec = plan.rollout
-    hf_engine = build_rollout(dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, name="hf")))
+    hf_engine = build_rollout(dataclasses.replace(spec, engine=dataclasses.replace(
+        spec.engine, generation=dataclasses.replace(spec.engine.generation, name="hf"))))
     greedy = with_sampling(engine, n=1, temperature=0.0)
     expected = hf_engine.generate(prompts, greedy)
     out = engine.generate(prompts, greedy)

@@ -187,14 +187,14 @@ def test_judge_keys_reach_the_spec(tiny_model_path):
                     "worker.judge.max_pixels=50176", "worker.judge.num_workers=3", "worker.judge.timeout=9",
                     "worker.judge.on_error=zero", "worker.judge.cache_size=5").judge
     engine = spec.rollout.engine
-    assert engine.name == "hf" and engine.model_dir == resolve_model_path("builtin:tiny-qwen2.5-vl-synthetic")
+    assert engine.generation.name == "hf" and engine.model_dir == resolve_model_path("builtin:tiny-qwen2.5-vl-synthetic")
     assert engine.trust_remote_code and engine.max_model_len == 307  # prompt + verdict
     assert spec.rollout.sampling.max_tokens == 7 and spec.rollout.sampling.temperature == 0.0  # greedy
     assert (spec.data.max_prompt_length, spec.data.min_pixels, spec.data.max_pixels) == (300, 3136, 50176)
     assert (spec.calls.num_workers, spec.calls.timeout, spec.calls.on_error, spec.calls.cache_size) == (3, 9.0, "zero", 5)
     assert spec.template == TEMPLATE and spec.parser == PARSER
     default = plan_for(tiny_model_path, *JUDGE_KEYS).judge
-    assert (default.rollout.engine.name, default.calls.num_workers, default.calls.on_error, default.calls.cache_size) == ("vllm", 1, "raise", 10000)
+    assert (default.rollout.engine.generation.name, default.calls.num_workers, default.calls.on_error, default.calls.cache_size) == ("vllm", 1, "raise", 10000)
     assert plan_for(tiny_model_path).judge is None
 
 
