@@ -189,6 +189,12 @@ BUILTIN_MODELS: dict[str, BuiltinModelSpec] = {
     # The other two families at the same sizes (tests: every path of the loop runs with each).
     "tiny-qwen2-vl": replace(_TINY, family="qwen2_vl", vision_fullatt_block_indexes=(), description="tests (Qwen2-VL)"),
     "tiny-qwen3-vl": _TINY_QWEN3_VL,
+    # tiny-qwen2.5-vl-clicks's tokens on Qwen3-VL: unlike it, it learns the GUI screens' first click
+    # (bench/gui_first_click.py; docs/benchmarks.md, "A base that learns the first click").
+    "tiny-qwen3-vl-clicks": replace(
+        _TINY_QWEN3_VL, word_tokens=(*PALETTE, *SHAPES, *ACTION_TOKENS),
+        description="GUI base on Qwen3-VL (colour words and click(N) actions are single tokens)",
+    ),
     "tiny-qwen3-vl-words": replace(_TINY_QWEN3_VL, word_tokens=(*PALETTE, *SHAPES),
                                    description="demo base (Qwen3-VL, dense): the answer words are single tokens"),
     # The 2026 families (tests, and the demo's base through their warm starts: answer words are

@@ -63,3 +63,27 @@ def test_the_gui_warm_start_trains_on_the_rl_loops_episodes(tmp_path, dataset):
     assert (tmp_path / "model" / "format_prompt.jinja").read_text().strip() == GUI_FORMAT_PROMPT
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32)
     assert model.config.image_token_id is not None
+
+
+def test_the_qwen3_vl_clicks_base_gives_each_cell_one_image_token_and_each_click_one_token():
+    """builtin:tiny-qwen3-vl-clicks (the Qwen3-VL base that learns the first click in
+    bench/gui_first_click.py): its processor resizes the 112 px screen to 128 px (the nearest multiple
+    of patch 16 x merge 2), 8 x 8 patches merged to 4 x 4 image tokens, so each 28 px cell of the
+    4 x 4 screen is one token; its tower has learned position embeddings (a 16 x 16 grid = 256);
+    click(1)..click(7) are seven consecutive single ids."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from easyvlm.agents.gui import make_task, render_screen
+    from easyvlm.builtin.models import materialize_model
+
+    path = materialize_model("tiny-qwen3-vl-clicks")
+    processor = AutoProcessor.from_pretrained(path)
+    screen = render_screen(make_task(5, "tick", layout="row", colour="red"), frozenset())
+    out = processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[screen], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 8, 8]]
+    assert (out["input_ids"] == processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum().item() == 16
+    ids = [processor.tokenizer(f"click({k})", add_special_tokens=False)["input_ids"] for k in range(1, 8)]
+    first = ids[0][0]
+    assert ids == [[first + k] for k in range(7)]
+    config = AutoConfig.from_pretrained(path)
+    assert (config.model_type, config.vision_config.num_position_embeddings) == ("qwen3_vl", 256)
