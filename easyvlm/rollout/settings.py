@@ -19,8 +19,9 @@ PREFIX = "worker.rollout"
 @dataclass(frozen=True)
 class GenerationSettings:
     """The generation engine and its sampling; the plan's `EngineSpec` holds them whole (its
-    ``generation``), and the sampling keys make the training call's `Sampling`. The multi-turn keys (``easyvlm.agents.settings``)
-    sit between ``disable_tqdm`` and ``val_override_config`` in the config section."""
+    ``generation``), and the sampling keys make the training call's `Sampling`. The multi-turn keys
+    (``easyvlm.agents.settings``) sit between ``disable_tqdm`` and ``val_override_config`` in the
+    config section."""
 
     name: Literal["vllm", "hf"] = "vllm"
     """Generation engine: vllm, or hf (transformers' generate: slow, for comparison and
