@@ -17,35 +17,28 @@ import collections
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from easyvlm.agents.gui import GuiTask, make_task, render_screen, task_of_row
-from easyvlm.builtin.gui_warm_start import GUI_FORMAT_PROMPT
+from easyvlm.agents.gui import GuiTask, make_task, task_of_row
+from easyvlm.builtin.gui_warm_start import first_turn_text, screen_sample, train_on_screens
 from easyvlm.builtin.models import materialize_model
 from easyvlm.builtin.synthetic_gui import DATASETS, materialize_dataset
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
-
-
-def first_turn_text(tokenizer, task: GuiTask) -> str:
-    """The chat text up to the assistant's first token, as the format prompt renders the row."""
-    content = IMAGE + task.instruction
-    prompt = GUI_FORMAT_PROMPT.replace("{{ content }}", content).replace("{{ max_steps }}", str(task.max_steps))
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-
 
 def training_screen(rng: random.Random, layout: str, colour: str | None, targets: str) -> tuple[GuiTask, frozenset, int]:
-    """(task, ticked boxes on the screen, the target label) for one supervised sample."""
+    """(task, ticked boxes on the screen, the target label) for one supervised sample: the warm start's
+    (``first``), or a random box among those that differ from the goal (``any``)."""
+    if targets == "first":
+        return screen_sample(rng, layout, colour)
     task = make_task(rng.getrandbits(31), rng.choice(["tick", "untick"]), layout=layout, colour=colour)
     boxes = [w.label for w in task.widgets if w.kind == "checkbox"]
     ticked = task.initial if rng.random() < 0.5 else frozenset(b for b in boxes if rng.random() < 0.5)
     wrong = sorted(ticked ^ task.goal)
-    if not wrong:
-        return task, ticked, task.button("OK").label
-    return task, ticked, wrong[0] if targets == "first" else rng.choice(wrong)
+    return task, ticked, rng.choice(wrong) if wrong else task.button("OK").label
 
 
 def score_first_clicks(model, processor, rows: list[dict], images: list[Image.Image]) -> dict:
@@ -75,12 +68,12 @@ def main() -> None:
     parser.add_argument("--targets", choices=["any", "first"], default="first")
     parser.add_argument("--every", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save", default=None, help="a directory for the trained model (bench/gui_episode_sft.py --init)")
     args = parser.parse_args()
 
     layout, colour = DATASETS[args.dataset]
-    base = materialize_model(args.base)
+    base = args.base if Path(args.base).is_dir() else materialize_model(args.base)
     processor = AutoProcessor.from_pretrained(base)
-    processor.tokenizer.padding_side = "left"  # the targets are the last two tokens of every row
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
@@ -92,20 +85,15 @@ def main() -> None:
     print(json.dumps({"step": 0, **score_first_clicks(model, processor, rows, images)}), flush=True)
     start = time.time()
     for step in range(1, args.steps + 1):
-        samples = [training_screen(rng, layout, colour, args.targets) for _ in range(args.batch)]
-        texts = [first_turn_text(processor.tokenizer, task) + f"click({label})<|im_end|>" for task, _, label in samples]
-        inputs = processor(text=texts, images=[render_screen(task, ticked) for task, ticked, _ in samples],
-                           return_tensors="pt", padding=True)
-        labels = torch.full_like(inputs["input_ids"], -100)
-        labels[:, -2:] = inputs["input_ids"][:, -2:]  # the click token and EOS
-        loss = model(**inputs, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        loss = train_on_screens(model, optimizer, processor,
+                                [training_screen(rng, layout, colour, args.targets) for _ in range(args.batch)])
         if step % args.every == 0 or step == args.steps:
             scores = score_first_clicks(model, processor, rows, images)
-            print(json.dumps({"step": step, "loss": round(loss.item(), 3), "seconds": round(time.time() - start), **scores}),
+            print(json.dumps({"step": step, "loss": round(loss, 3), "seconds": round(time.time() - start), **scores}),
                   flush=True)
+    if args.save:
+        model.save_pretrained(args.save)
+        processor.save_pretrained(args.save)
 
 
 if __name__ == "__main__":

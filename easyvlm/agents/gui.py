@@ -31,7 +31,10 @@ SUCCESS_REWARD = 1.0
 SLACK_STEPS = 2  # steps allowed beyond the shortest solution
 
 BACKGROUND, INK, PAPER = (240, 240, 240), (0, 0, 0), (255, 255, 255)
-BUTTON_FILL, BUTTON_EDGE = (205, 205, 205), (80, 80, 80)
+BUTTON_EDGE = (80, 80, 80)
+# (fill, caption): OK is the primary button, dark as in most GUIs, so a screen shows which half it is
+# by its shade and not only by a 3x5 caption (the tiny demo policy reads colours, not that glyph)
+BUTTON_STYLES = {"OK": ((70, 70, 70), PAPER), "CLEAR": ((205, 205, 205), INK)}
 
 # 3x5 glyphs, drawn 2x without anti-aliasing: the same pixels on every machine and Pillow version.
 FONT: dict[str, tuple[str, ...]] = {
@@ -289,10 +292,11 @@ def _draw_checkbox(draw: ImageDraw.ImageDraw, widget: Widget, ticked: bool) -> N
 
 def _draw_button(draw: ImageDraw.ImageDraw, widget: Widget) -> None:
     x, y = widget.box[:2]
-    draw.rectangle((x + 2, y + 2, x + 53, y + 25), fill=BUTTON_FILL, outline=BUTTON_EDGE)
+    fill, caption = BUTTON_STYLES[widget.text]
+    draw.rectangle((x + 2, y + 2, x + 53, y + 25), fill=fill, outline=BUTTON_EDGE)
     # the caption is centred between the label's tag (ending at x + 12) and the right edge
     width = text_width(widget.text, gap=1)
-    draw_text(draw, widget.text, x + 16 + (37 - width) // 2, y + 9, INK, gap=1)
+    draw_text(draw, widget.text, x + 16 + (37 - width) // 2, y + 9, caption, gap=1)
 
 
 def render_screen(task: GuiTask, ticked: frozenset[int]) -> Image.Image:

@@ -18,11 +18,12 @@ from pathlib import Path
 
 from PIL import Image
 
-from easyvlm.agents.gui import KINDS, make_task, render_screen, solution
-from easyvlm.builtin.synthetic import SyntheticDatasetError, build_split, distinct_samples, sized_cache_dir, write_image_rows
+from easyvlm.agents.gui import KINDS, GuiTask, make_task, render_screen, solution
+from easyvlm.builtin.synthetic import (SyntheticDatasetError, build_split, distinct_samples, sized_cache_dir, split_of,
+                                      write_image_rows)
 
 # Bump when the screens, the tasks or the row format change (it is part of the cache key).
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: OK drawn as the dark primary button
 
 # name -> (layout, colour: None for the seed's). The random layout's rows carry no layout or colour
 # column (a row without them is random, of the seed's colour): the rows built before either existed.
@@ -30,8 +31,9 @@ DATASETS = {"synthetic-gui": ("random", None), "synthetic-gui-row": ("row", None
             "synthetic-gui-row-red": ("row", "red")}
 DEFAULT_SIZES = {"train": 2000, "val": 128, "test": 128}
 # The row layout about red has 696 distinct screens (14 ways to place 1-3 red boxes among 4, the others
-# in 3 colours, OK on either side, tick or untick), ~8 in 10 of them in train by the split's hash.
-SIZES = {"synthetic-gui-row-red": {"train": 500, "val": 64, "test": 64}}
+# in 3 colours, OK on either side, tick or untick): 563 train, 62 val and 71 test by the split's hash
+# of the version-2 screens.
+SIZES = {"synthetic-gui-row-red": {"train": 500, "val": 56, "test": 56}}
 TASK_MIX = {"tick": 0.5, "untick": 0.5}
 
 
@@ -50,6 +52,11 @@ def render_sample(task: str, rng: random.Random, layout: str = "random", colour:
 
 def _content_hash(image: Image.Image, problem: str) -> bytes:
     return hashlib.sha256(image.tobytes() + b"\0" + problem.encode()).digest()
+
+
+def split_of_task(task: GuiTask) -> str:
+    """The split whose rows may hold ``task`` (its first screen and instruction decide, as for the rows)."""
+    return split_of(_content_hash(render_screen(task, task.initial), "<image>" + task.instruction))
 
 
 def write_dataset(out_dir: Path, split: str, num_samples: int, layout: str = "random",

@@ -193,6 +193,9 @@ def test_the_screenshot_shows_labels_and_tick_states():
     assert before.getpixel((28 + 14, 28 + 12)) == PAPER and after.getpixel((28 + 14, 28 + 12)) == COLOURS["red"]
     assert before.getpixel((28 + 17, 28 + 19)) == PAPER == after.getpixel((28 + 17, 28 + 19))
     assert after.getpixel((14, 12)) == PAPER  # box 1 is not ticked
+    # OK (left here, x 0-55 of the bottom row) is the dark primary button, CLEAR the light one: a spot
+    # inside each fill, right of the caption and below the frame (x + 50, y + 4)
+    assert after.getpixel((50, 84 + 4)) == (70, 70, 70) and after.getpixel((56 + 50, 84 + 4)) == (205, 205, 205)
     changed = [(x, y) for x in range(112) for y in range(112) if before.getpixel((x, y)) != after.getpixel((x, y))]
     assert changed and all(42 <= x < 52 and 40 <= y < 50 for x, y in changed)  # only box 3's inside
 

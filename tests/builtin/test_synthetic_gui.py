@@ -25,7 +25,7 @@ def rows_of(path: Path) -> list[dict]:
 
 def test_rows_are_episode_starts_the_environment_rebuilds(tmp_path):
     path = materialize_dataset("val", cache_dir=tmp_path, num_samples=16)
-    assert path == tmp_path / "datasets" / "synthetic-gui-val-16-v1" / "val.jsonl"
+    assert path == tmp_path / "datasets" / "synthetic-gui-val-16-v2" / "val.jsonl"
     rows = rows_of(path)
     assert len(rows) == 16 and {r["task"] for r in rows} == {"tick", "untick"}
     for row in rows:
@@ -57,7 +57,7 @@ def test_splits_hold_different_screens_and_the_name_resolves(tmp_path):
     val_keys, train_keys = keys(val), keys(train)
     assert len(val_keys) == 128 and len(train_keys) == 200 and not val_keys & train_keys
     assert {split_of(k) for k in val_keys} == {"val"} and {split_of(k) for k in train_keys} == {"train"}
-    assert synthetic.dataset_cache_dir("train", tmp_path, "synthetic-gui").name == "synthetic-gui-train-2000-v1"
+    assert synthetic.dataset_cache_dir("train", tmp_path, "synthetic-gui").name == "synthetic-gui-train-2000-v2"
     with pytest.raises(SyntheticDatasetError, match="unknown GUI task 'drag'"):
         render_sample("drag", random.Random(0))
 
@@ -76,7 +76,7 @@ def test_the_row_layouts_rows_carry_their_layout(tmp_path):
     each first screen from it and the answer solves it; splits never share a screen."""
     assert "synthetic-gui-row" in synthetic.builtin_dataset_names()
     path = resolve_builtin_dataset("builtin:synthetic-gui-row@val", cache_dir=tmp_path)
-    assert path == tmp_path / "datasets" / "synthetic-gui-row-val-128-v1" / "val.jsonl"
+    assert path == tmp_path / "datasets" / "synthetic-gui-row-val-128-v2" / "val.jsonl"
     rows = rows_of(path)
     assert len(rows) == 128 and {r["task"] for r in rows} == {"tick", "untick"}
     for row in rows[:16]:
@@ -91,7 +91,7 @@ def test_the_row_layouts_rows_carry_their_layout(tmp_path):
         returns = sum(env.step(action)[2] for action in row["answer"].split())
         assert env.state.outcome == "success" and returns == pytest.approx(2.0, abs=1e-12)
     train = materialize_dataset("train", cache_dir=tmp_path, name="synthetic-gui-row", num_samples=200)
-    assert train.parent.name == "synthetic-gui-row-train-200-v1"
+    assert train.parent.name == "synthetic-gui-row-train-200-v2"
     train_seeds = {(r["seed"], r["task"]) for r in rows_of(train)}
     # the content hash (screen + instruction) picks the split, so no val screen is a train screen
     train_screens = {_content_hash(Image.open(train.parent / r["images"][0]).convert("RGB"), r["problem"])
@@ -102,13 +102,13 @@ def test_the_row_layouts_rows_carry_their_layout(tmp_path):
 
 def test_the_red_rows_carry_their_colour_and_fit_the_layouts_screens(tmp_path):
     """builtin:synthetic-gui-row-red: the row layout, every task about red (1-3 red boxes); its own
-    sizes, 500 / 64 / 64, since the layout has only 696 screens (14 placements x 3 colours for each
-    other box x OK side x task: 2 * 2 * (4*27 + 6*9 + 4*3) = 696)."""
+    sizes, 500 / 56 / 56, since the layout has only 696 screens (14 placements x 3 colours for each
+    other box x OK side x task: 2 * 2 * (4*27 + 6*9 + 4*3) = 696), 62 of them val by the split's hash."""
     assert "synthetic-gui-row-red" in synthetic.builtin_dataset_names()
     path = resolve_builtin_dataset("builtin:synthetic-gui-row-red@val", cache_dir=tmp_path)
-    assert path == tmp_path / "datasets" / "synthetic-gui-row-red-val-64-v1" / "val.jsonl"
+    assert path == tmp_path / "datasets" / "synthetic-gui-row-red-val-56-v2" / "val.jsonl"
     rows = rows_of(path)
-    assert len(rows) == 64 and {r["task"] for r in rows} == {"tick", "untick"}
+    assert len(rows) == 56 and {r["task"] for r in rows} == {"tick", "untick"}
     for row in rows:
         assert list(row) == ["problem", "answer", "images", "task", "seed", "max_steps", "layout", "colour"]
         assert row["layout"] == "row" and row["colour"] == "red" and " red box" in row["problem"]
@@ -119,4 +119,4 @@ def test_the_red_rows_carry_their_colour_and_fit_the_layouts_screens(tmp_path):
         env.reset({**row, "ground_truth": row["answer"]})
         assert Image.open(path.parent / row["images"][0]).convert("RGB").tobytes() == env.screenshot().tobytes()
     train = synthetic.dataset_cache_dir("train", tmp_path, "synthetic-gui-row-red")
-    assert train.name == "synthetic-gui-row-red-train-500-v1"
+    assert train.name == "synthetic-gui-row-red-train-500-v2"

@@ -14,13 +14,13 @@ def test_the_gui_demo_plays_the_gui_environment_from_its_warm_start(monkeypatch)
     monkeypatch.chdir(REPO)
     cfg = load_config(["config=examples/gui.yaml"])
     assert find_problems(cfg, check_files=True) == []
-    assert (cfg.data.train_files, cfg.data.val_files) == ("builtin:synthetic-gui@train", "builtin:synthetic-gui@val")
+    assert (cfg.data.train_files, cfg.data.val_files) == ("builtin:synthetic-gui-row-red@train", "builtin:synthetic-gui-row-red@val")
     # the 112x112 screenshots (12544 px) at their size: click(X, Y) is in their pixels
     assert cfg.data.min_pixels <= 112 * 112 <= cfg.data.max_pixels
     rollout = cfg.worker.rollout
     assert rollout.environment == "examples/environments/gui.py:GuiEnvironment"
     assert rollout.max_turns == 7  # the longest step limit: 5 actions + 2
-    assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen2.5-vl-gui"
+    assert cfg.worker.actor.model.model_path == "builtin:tiny-qwen3-vl-gui"
     assert cfg.worker.reward.reward_function == "./reward_functions/environment.py:compute_score"
     assert cfg.algorithm.adv_estimator == "grpo"
 
