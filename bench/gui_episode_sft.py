@@ -1,10 +1,11 @@
 """Does a model that reads the GUI demo's first screen also play whole episodes once it has seen some?
 Supervised steps on whole episodes of the GUI environment (the RL rollout loop with the expert's turns
-given, as the warm start trains), from ``--init`` (a model directory, e.g. one saved by
-a builtin name), as the warm start's second phase (easyvlm.builtin.gui_warm_start's expert). Every ``--every`` steps the expert's episodes on the data set's
-val rows are scored teacher-forced: an episode counts when the model's argmax is the expert's token at
-every trained position, which is exactly "greedy play solves it along the expert's path"; and the share
-right of its first clicks, of its later box clicks and of its OK presses (docs/benchmarks.md).
+given, as the warm start's second phase trains, with its expert), from ``--init`` (a model directory,
+e.g. one saved by bench/gui_first_click.py --save, or a builtin name). Every ``--every`` steps the
+expert's episodes on the data set's val rows are scored teacher-forced: an episode counts when the
+model's argmax is the expert's token at every trained position, which is exactly "greedy play solves it
+along the expert's path"; and the share right of its first clicks, of its later box clicks and of its OK
+presses (docs/benchmarks.md).
 
     PYTHONPATH=. python bench/gui_first_click.py --base tiny-qwen3-vl-clicks --steps 1800 --lr 3e-4 --save /tmp/screens
     PYTHONPATH=. python bench/gui_episode_sft.py --init /tmp/screens --steps 300
@@ -27,19 +28,10 @@ from transformers import AutoConfig, AutoProcessor
 from easyvlm.agents.gui import GuiEnvironment, task_of_row
 from easyvlm.builtin.gui_warm_start import GUI_FORMAT_PROMPT, expert_actions
 from easyvlm.builtin.models import materialize_model
-from easyvlm.builtin.sft_steps import episodes_of, start_training, train_on_episodes
+from easyvlm.builtin.sft_steps import episode_labels, episodes_of, start_training, train_on_episodes
 from easyvlm.builtin.synthetic_gui import DATASETS, materialize_dataset
 from easyvlm.data.collate import concat_multi_modal_inputs
 from easyvlm.models.position_ids import to_model_layout
-
-
-def play(episodes, picked: list[int], scripts: list[list[str]]) -> dict:
-    return episodes.play(picked, lambda k: [script[k] for script in scripts if len(script) > k])
-
-
-def labels_of(out: dict) -> torch.Tensor:
-    return torch.cat([torch.full_like(out["prompts"], -100),
-                      torch.where(out["response_mask"], out["responses"], -100)], dim=1)
 
 
 def score(model, episodes, rows_per_batch: int = 16) -> dict:
@@ -52,11 +44,11 @@ def score(model, episodes, rows_per_batch: int = 16) -> dict:
             picked = list(range(start, min(start + rows_per_batch, len(episodes.dataset))))
             rows = [episodes.rows[episodes.dataset.index[i][1]] for i in picked]
             scripts = [expert_actions(task_of_row(row), random.Random(0), 1.0) for row in rows]
-            out = play(episodes, picked, scripts)
+            out = episodes.play_scripts(picked, scripts)
             logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"].long(),
                            position_ids=to_model_layout(out["position_ids"]),
                            **concat_multi_modal_inputs(out["multi_modal_inputs"])).logits
-            target = labels_of(out)[:, 1:]
+            target = episode_labels(out)[:, 1:]
             hit = (logits[:, :-1].argmax(-1) == target) | (target == -100)
             for j, (row, script) in enumerate(zip(rows, scripts)):
                 solved += bool(hit[j].all())
@@ -98,7 +90,7 @@ def main() -> None:
     start = time.time()
     for step in range(1, args.steps + 1):
         picked, rows = train.sample(rng, args.batch)
-        out = play(train, picked, [expert_actions(task_of_row(row), rng, args.right_rate) for row in rows])
+        out = train.play_scripts(picked, [expert_actions(task_of_row(row), rng, args.right_rate) for row in rows])
         loss = train_on_episodes(model, optimizer, out)
         if step % args.every == 0 or step == args.steps:
             print(json.dumps({"step": step, "loss": round(loss, 3), "seconds": round(time.time() - start),

@@ -125,8 +125,7 @@ def train_gui_warm_start(spec: GuiWarmStartSpec, base: str, processor, model_con
     for step in range(spec.episode_steps):
         picked, rows = episodes.sample(rng, spec.batch_size)
         scripts = [expert_actions(task_of_row(row), rng, spec.right_rate) for row in rows]
-        # the samples still going at turn k are those whose script is longer (in batch order)
-        out = episodes.play(picked, lambda k: [script[k] for script in scripts if len(script) > k])
+        out = episodes.play_scripts(picked, scripts)
         assert all(t["finish"] == "done" and t["num_turns"] == len(s) for t, s in zip(out["trajectory"], scripts))
         loss = train_on_episodes(model, optimizer, out)
         if step % 20 == 0 or step == spec.episode_steps - 1:

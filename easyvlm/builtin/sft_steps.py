@@ -67,6 +67,11 @@ class Episodes:
         sampling = Sampling(n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=self.length, ignore_eos=False)
         return self.loop.generate(collate_prompts([self.dataset[i] for i in picked], pad), sampling, given)
 
+    def play_scripts(self, picked: list[int], scripts: list[list[str]]) -> dict:
+        """``play`` where sample j's turns are ``scripts[j]``: the samples still going at turn k are
+        those whose script is longer than k (in batch order)."""
+        return self.play(picked, lambda k: [script[k] for script in scripts if len(script) > k])
+
 
 def episodes_of(spec: Any, processor, model_config, data_file: Path, prompt_file: Path, length: int,
                 max_turns: int | None = None, tools: dict | None = None, environment: type | None = None) -> Episodes:
@@ -94,6 +99,13 @@ def episodes_of(spec: Any, processor, model_config, data_file: Path, prompt_file
     return Episodes(dataset, rows, loop, tokenizer, eos, length)
 
 
+def episode_labels(out: dict):
+    """The rollout loop's output ``out`` as labels: -100 on the prompt and on every token not the model's."""
+    import torch
+
+    return torch.cat([torch.full_like(out["prompts"], -100), torch.where(out["response_mask"], out["responses"], -100)], dim=1)
+
+
 def train_on_episodes(model, optimizer, out: dict) -> float:
     """One supervised step on the rollout loop's output ``out``, the loss on the model's turns only."""
     import torch
@@ -101,7 +113,7 @@ def train_on_episodes(model, optimizer, out: dict) -> float:
     from easyvlm.data.collate import concat_multi_modal_inputs
     from easyvlm.models.position_ids import to_model_layout
 
-    labels = torch.cat([torch.full_like(out["prompts"], -100), torch.where(out["response_mask"], out["responses"], -100)], dim=1)
+    labels = episode_labels(out)
     return train_step(
         model, optimizer, input_ids=out["input_ids"], attention_mask=out["attention_mask"].long(),
         position_ids=to_model_layout(out["position_ids"]), labels=labels,

@@ -233,7 +233,7 @@ def _train_tool_warm_start(spec: WarmStartSpec, base: str, processor, model_conf
             quadrant = row["quadrant"] if right else rng.choice([q for q in range(4) if q != row["quadrant"]])
             answer = row["answer"] if right and rng.random() < spec.answer_rate else rng.choice(row["options"])
             turns.append([zoom_call(quadrant_box(quadrant)), answer])
-        out = episodes.play(picked, lambda k: [t[k] for t in turns])
+        out = episodes.play_scripts(picked, turns)
         assert all(t["finish"] == "answer" and t["tool_calls"][0]["ok"] for t in out["trajectory"])
         loss = train_on_episodes(model, optimizer, out)
         if step % 20 == 0 or step == spec.steps - 1:
